@@ -1,0 +1,78 @@
+"""Block formats: one registry of QType records by GGML type id, plus the operations every
+type shares (dequantize a tensor, matvec, batched matmul, quantize)."""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import quants as gq
+
+from quant import floats, kquants, legacy
+from quant.common import QType
+
+QTYPES: dict[int, QType] = {**floats.QTYPES, **legacy.QTYPES, **kquants.QTYPES}
+
+
+class UnsupportedType(Exception):
+    pass
+
+
+def qtype(type_id: int) -> QType:
+    q = QTYPES.get(int(type_id))
+    if q is None:
+        name = T(type_id).name if type_id in T._value2member_map_ else str(type_id)
+        raise UnsupportedType(f"tensor type {name} is not supported (numbat runs "
+                              f"{', '.join(q.name for q in QTYPES.values())}); requantize the model, "
+                              f"for example to Q8_0 with `numbat quantize`")
+    return q
+
+
+def dequantize(type_id: int, raw: np.ndarray, n_cols: int) -> np.ndarray:
+    out = np.empty((raw.shape[0], n_cols), np.float32)
+    qtype(type_id).dequant_rows(raw, out)
+    return out
+
+
+def matvec(type_id: int, raw: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+    qtype(type_id).matvec(raw, x, y)
+
+
+# Prefill: dequantize a tile of rows into a reused buffer that stays in cache, then let BLAS
+# multiply it with all activation vectors at once. Measured faster here than integer kernels
+# for batches of tens of vectors and more (see BENCHMARKS.md).
+_TILE_BYTES = 1 << 20
+_tiles: dict[tuple[int, int], np.ndarray] = {}
+
+
+def matmul(type_id: int, raw: np.ndarray, X: np.ndarray, Y: np.ndarray) -> None:
+    """Y (n, rows) = X (n, cols) @ W.T for W given as raw blocks (rows, row_bytes)."""
+    q = qtype(type_id)
+    rows, cols = raw.shape[0], X.shape[1]
+    if type_id == T.F32:
+        np.matmul(X, raw.view(np.float32).T, out=Y)
+        return
+    tr = max(16, min(rows, _TILE_BYTES // (4 * cols)))
+    tile = _tiles.get((tr, cols))
+    if tile is None:
+        tile = _tiles[(tr, cols)] = np.empty((tr, cols), np.float32)
+    for r0 in range(0, rows, tr):
+        n = min(tr, rows - r0)
+        q.dequant_rows(raw[r0:r0 + n], tile[:n])
+        np.matmul(X, tile[:n].T, out=Y[:, r0:r0 + n])
+
+
+QUANTIZABLE = (T.Q8_0, T.Q4_0)
+
+
+def quantize(data: np.ndarray, type_id: int, rows_per_chunk: int = 1024) -> np.ndarray:
+    """F32/F16 (rows, cols) -> raw blocks (rows, row_bytes) of Q8_0 or Q4_0, with gguf-py's
+    reference quantizers (the same rounding as llama.cpp), a chunk of rows at a time so a
+    large tensor never exists in float32 at once."""
+    if type_id not in QUANTIZABLE:
+        raise UnsupportedType(f"quantize to {T(type_id).name} is not supported; use Q8_0 or Q4_0")
+    q = qtype(type_id)
+    if data.shape[-1] % q.block_size:
+        raise UnsupportedType(f"rows of {data.shape[-1]} values do not fit {q.name} blocks of {q.block_size}")
+    out = np.empty((data.shape[0], q.row_bytes(data.shape[1])), np.uint8)
+    for r0 in range(0, data.shape[0], rows_per_chunk):
+        out[r0:r0 + rows_per_chunk] = gq.quantize(np.asarray(data[r0:r0 + rows_per_chunk], np.float32), T(type_id))
+    return out
