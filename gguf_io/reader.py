@@ -112,6 +112,8 @@ class _Cursor:
         win, base = b"", pos
         for _ in range(n):
             if pos + 8 > base + len(win):
+                self.pos = pos
+                self.need(8, what)
                 win, base = bytes(self.buf[pos:pos + _WINDOW]), pos
             (length,) = unpack(win, pos - base)
             pos += 8

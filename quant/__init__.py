@@ -37,10 +37,17 @@ def matvec(type_id: int, raw: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
 
 
 # Prefill: dequantize a tile of rows into a reused buffer that stays in cache, then let BLAS
-# multiply it with all activation vectors at once. Measured faster here than integer kernels
-# for batches of tens of vectors and more (see BENCHMARKS.md).
+# multiply it with all activation vectors at once (see BENCHMARKS.md for the rate). The
+# activations are first rounded as llama.cpp's integer kernels round them (act_roundtrip).
 _TILE_BYTES = 1 << 20
 _tiles: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _buffer(key, shape) -> np.ndarray:
+    buf = _tiles.get(key)
+    if buf is None or buf.shape[0] < shape[0]:
+        buf = _tiles[key] = np.empty(shape, np.float32)
+    return buf[:shape[0]]
 
 
 def matmul(type_id: int, raw: np.ndarray, X: np.ndarray, Y: np.ndarray) -> None:
@@ -50,10 +57,12 @@ def matmul(type_id: int, raw: np.ndarray, X: np.ndarray, Y: np.ndarray) -> None:
     if type_id == T.F32:
         np.matmul(X, raw.view(np.float32).T, out=Y)
         return
+    if q.act_roundtrip is not None:
+        Xr = _buffer(("act", cols), X.shape)
+        q.act_roundtrip(X, Xr)
+        X = Xr
     tr = max(16, min(rows, _TILE_BYTES // (4 * cols)))
-    tile = _tiles.get((tr, cols))
-    if tile is None:
-        tile = _tiles[(tr, cols)] = np.empty((tr, cols), np.float32)
+    tile = _buffer(("tile", tr, cols), (tr, cols))
     for r0 in range(0, rows, tr):
         n = min(tr, rows - r0)
         q.dequant_rows(raw[r0:r0 + n], tile[:n])

@@ -1,36 +1,124 @@
-"""Activation quantization: x (float32) -> 8-bit blocks of 32, once per matvec call.
+"""Activation quantization, exactly as llama.cpp's CPU backend does it before a dot product
+with quantized weights (its "vec_dot_type"): Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1,
+Q8_K for the K-quants. Matching it bit for bit keeps our logits within float rounding of the
+oracle's, which greedy decoding needs (a 0.3 logit error flips near-ties; see tests).
 
-Per block b: xd[b] = max|x|/127, xq = round(x/xd[b]) as int8, xs[b] = xd[b]*sum(xq) (the
-block sum that offset and minimum terms need, as llama.cpp's Q8_1 keeps it).
+Q8_0/Q8_1 (x86 path): per 32-block amax, d = f16(amax/127), q = round_half_even(x*(127/amax)),
+Q8_1 also s = f16(d_f32 * sum(q)). Q8_K: per 256-block the signed value of largest magnitude
+max, iscale = -127/max, q = min(127, round_half_even(iscale*x)), d = 1/iscale (float32),
+bsums = sums of q over each 16.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
-from numba import njit
-
-_scratch: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+from numba import njit, prange
 
 
-def scratch_q8(n: int):
-    """Buffers for n activations, allocated once per size and reused."""
-    buf = _scratch.get(n)
-    if buf is None:
-        buf = _scratch[n] = (np.empty(n, np.int8), np.empty(n // 32, np.float32), np.empty(n // 32, np.float32))
-    return buf
+@njit(inline="always")
+def f16_round(x):
+    """The float32 value of the nearest float16 (ties to even), as GGML_FP32_TO_FP16 rounds."""
+    a = abs(np.float64(x))
+    if a == 0.0 or not math.isfinite(a):
+        return np.float32(x)
+    if a >= 65520.0:
+        return np.float32(math.copysign(math.inf, x))
+    m, e = math.frexp(a)                  # a = m * 2**e, 0.5 <= m < 1
+    ulp = math.ldexp(1.0, max(e - 11, -24))
+    r = a / ulp
+    q = math.floor(r)
+    if r - q > 0.5 or (r - q == 0.5 and q % 2 == 1):
+        q += 1
+    return np.float32(math.copysign(q * ulp, x))
 
 
-@njit(cache=True, fastmath=True)
-def quantize_q8(x, xq, xd, xs):
+@njit(fastmath=False, cache=True)
+def quantize_q8_0(x, xq, xd, xs, isum):
+    """x (n,) -> xq int8 (n,), xd (n/32,) float32 values of the f16 scales, xs (n/32,) Q8_1's s,
+    isum (n/32,) int32 block sums of xq (for the -8/-16 offsets of Q4_0/Q5_0)."""
     for b in range(x.shape[0] // 32):
         amax = np.float32(0)
         for j in range(32):
             amax = max(amax, abs(x[b * 32 + j]))
         d = amax / np.float32(127)
-        inv = np.float32(1) / d if d > 0 else np.float32(0)
-        s = np.int32(0)
+        inv = np.float32(127) / amax if amax != 0 else np.float32(0)
+        s = 0
         for j in range(32):
             q = np.int32(np.rint(x[b * 32 + j] * inv))
             xq[b * 32 + j] = q
             s += q
-        xd[b] = d
-        xs[b] = d * np.float32(s)
+        xd[b] = f16_round(d)
+        xs[b] = f16_round(d * np.float32(s))
+        isum[b] = s
+
+
+@njit(fastmath=False, cache=True)
+def quantize_q8_K(x, xq, xd, bsums):
+    """x (n,) -> xq int8 (n,), xd (n/256,) float32, bsums int32 (n/16,)."""
+    for b in range(x.shape[0] // 256):
+        amax, mx = np.float32(0), np.float32(0)
+        for j in range(256):
+            ax = abs(x[b * 256 + j])
+            if ax > amax:
+                amax, mx = ax, x[b * 256 + j]
+        if amax == 0:
+            xd[b] = 0
+            for j in range(256):
+                xq[b * 256 + j] = 0
+            for j in range(16):
+                bsums[b * 16 + j] = 0
+            continue
+        iscale = np.float32(-127) / mx
+        for j in range(256):
+            xq[b * 256 + j] = min(127, np.int32(np.rint(iscale * x[b * 256 + j])))
+        for j in range(16):
+            s = 0
+            for i in range(16):
+                s += xq[b * 256 + j * 16 + i]
+            bsums[b * 16 + j] = s
+        xd[b] = np.float32(1) / iscale
+
+
+# ---- prefill: the same rounding applied to a whole batch, dequantized back to float32 so BLAS
+# multiplies exactly the values llama.cpp's integer kernels see.
+
+@njit(parallel=True, cache=True)
+def roundtrip_q8_0(X, out):
+    xq = np.empty(X.shape, np.int8)
+    nb = X.shape[1] // 32
+    xd = np.empty((X.shape[0], nb), np.float32)
+    xs = np.empty((X.shape[0], nb), np.float32)
+    isum = np.empty((X.shape[0], nb), np.int32)
+    for i in prange(X.shape[0]):
+        quantize_q8_0(X[i], xq[i], xd[i], xs[i], isum[i])
+        for j in range(X.shape[1]):
+            out[i, j] = np.float32(xq[i, j]) * xd[i, j // 32]
+
+
+@njit(parallel=True, cache=True)
+def roundtrip_q8_K(X, out):
+    xq = np.empty(X.shape, np.int8)
+    xd = np.empty((X.shape[0], X.shape[1] // 256), np.float32)
+    bs = np.empty((X.shape[0], X.shape[1] // 16), np.int32)
+    for i in prange(X.shape[0]):
+        quantize_q8_K(X[i], xq[i], xd[i], bs[i])
+        for j in range(X.shape[1]):
+            out[i, j] = np.float32(xq[i, j]) * xd[i, j // 256]
+
+
+_scratch: dict[tuple, tuple] = {}
+
+
+def scratch(kind: str, n: int):
+    """Quantized-activation buffers for n values, allocated once per (kind, n) and reused."""
+    key = (kind, n)
+    buf = _scratch.get(key)
+    if buf is None:
+        if kind == "q8_K":
+            buf = (np.empty(n, np.int8), np.empty(n // 256, np.float32), np.empty(n // 16, np.int32))
+        else:
+            buf = (np.empty(n, np.int8), np.empty(n // 32, np.float32), np.empty(n // 32, np.float32),
+                   np.empty(n // 32, np.int32))
+        _scratch[key] = buf
+    return buf

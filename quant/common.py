@@ -35,6 +35,9 @@ class QType:
     type_size: int        # bytes per block
     dequant_rows: Callable[[np.ndarray, np.ndarray], None]
     matvec: Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+    # prefill: X -> the activations as llama.cpp's kernels see them (8-bit rounded for
+    # quantized weights), written to out; None keeps float32
+    act_roundtrip: Callable[[np.ndarray, np.ndarray], None] | None = None
 
     def row_bytes(self, n_cols: int) -> int:
         return n_cols // self.block_size * self.type_size

@@ -4,10 +4,10 @@ Layouts (bytes per block): Q4_0 [d f16][16 nibble pairs]; Q4_1 [d][m][16]; Q5_0 
 Q5_1 [d][m][qh][16]; Q8_0 [d][32 int8]. Nibble j of a block holds element j (low) and j+16 (high);
 bit j of qh is the fifth bit of element j.
 
-matvec quantizes x once per call to 8-bit blocks of 32 (as llama.cpp's Q8_0/Q8_1) and works
-in integers: the products and partial sums are cast to int32 so LLVM emits vpmaddwd rather
-than widening to 64-bit lanes. Offsets (-8, -16) and minimums are applied through the block
-sum of the quantized x instead of per element.
+matvec quantizes x once per call to 8-bit blocks of 32 exactly as llama.cpp does (quant.act)
+and works in integers: the products and partial sums are cast to int32 so LLVM emits vpmaddwd
+rather than widening to 64-bit lanes. Offsets (-8, -16) go through the integer block sum of the
+quantized x, minimums through Q8_1's s, as in llama.cpp's dot products.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as T
 from numba import njit, prange
 
 from quant.common import F16, QType, readonly
-from quant.act import quantize_q8, scratch_q8
+from quant.act import quantize_q8_0, roundtrip_q8_0, scratch
 
 I32 = np.int32
 
@@ -90,7 +90,7 @@ def _dq_q8_0(raw, out, F16):
 # ---------------------------------------------------------------- matvec on 8-bit activations
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _mv_4bit(raw, xq, xd, xs, y, F16, bs, has_min):
+def _mv_4bit(raw, xq, xd, xs, isum, y, F16, bs, has_min):
     nb = raw.shape[1] // bs
     for r in prange(raw.shape[0]):
         row = raw[r]
@@ -106,12 +106,12 @@ def _mv_4bit(raw, xq, xd, xs, y, F16, bs, has_min):
             if has_min:   # x_block . (d*q + m) = d*dx*s + m*sum(x_block)
                 acc += d * xd[b] * np.float32(s) + _f16(row, o + 2, F16) * xs[b]
             else:         # x_block . d*(q-8) = d*dx*(s - 8*sum(xq))
-                acc += d * (xd[b] * np.float32(s) - np.float32(8) * xs[b])
+                acc += d * xd[b] * np.float32(s - 8 * isum[b])
         y[r] = acc
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _mv_5bit(raw, xq, xd, xs, y, F16, bs, has_min):
+def _mv_5bit(raw, xq, xd, xs, isum, y, F16, bs, has_min):
     nb = raw.shape[1] // bs
     for r in prange(raw.shape[0]):
         row = raw[r]
@@ -130,7 +130,7 @@ def _mv_5bit(raw, xq, xd, xs, y, F16, bs, has_min):
             if has_min:
                 acc += d * xd[b] * np.float32(s) + _f16(row, o + 2, F16) * xs[b]
             else:
-                acc += d * (xd[b] * np.float32(s) - np.float32(16) * xs[b])
+                acc += d * xd[b] * np.float32(s - 16 * isum[b])
         y[r] = acc
 
 
@@ -153,7 +153,7 @@ def _mv_q8_0(raw, xq, xd, y, F16):
 # ---------------------------------------------------------------- wrappers and registry
 
 def _make(type_id, name, bs, dq, mv):
-    return QType(int(type_id), name, 32, bs, dq, mv)
+    return QType(int(type_id), name, 32, bs, dq, mv, roundtrip_q8_0)
 
 
 def _legacy(type_id, name, bs, dq_kernel, mv_kernel, has_min):
@@ -161,9 +161,9 @@ def _legacy(type_id, name, bs, dq_kernel, mv_kernel, has_min):
         dq_kernel(readonly(raw), out, F16, bs, has_min)
 
     def matvec(raw, x, y):
-        xq, xd, xs = scratch_q8(x.shape[0])
-        quantize_q8(x, xq, xd, xs)
-        mv_kernel(readonly(raw), xq, xd, xs, y, F16, bs, has_min)
+        xq, xd, xs, isum = scratch("q8_0", x.shape[0])
+        quantize_q8_0(x, xq, xd, xs, isum)
+        mv_kernel(readonly(raw), xq, xd, xs, isum, y, F16, bs, has_min)
     return _make(type_id, name, bs, dequant_rows, matvec)
 
 
@@ -172,8 +172,8 @@ def _q8_dequant(raw, out):
 
 
 def _q8_matvec(raw, x, y):
-    xq, xd, xs = scratch_q8(x.shape[0])
-    quantize_q8(x, xq, xd, xs)
+    xq, xd, xs, isum = scratch("q8_0", x.shape[0])
+    quantize_q8_0(x, xq, xd, xs, isum)
     _mv_q8_0(readonly(raw), xq, xd, y, F16)
 
 

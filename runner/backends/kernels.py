@@ -1,0 +1,99 @@
+"""Small numba kernels of the forward pass other than the matmuls: norms, RoPE, attention
+over the ring cache, gated activations. Callers pass every output and scratch buffer."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import get_thread_id, njit, prange
+
+from quant.act import f16_round
+
+
+@njit(parallel=True, fastmath=False, cache=True)
+def rms_norm(x, w, eps, out):
+    """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, rows of x (..., n) flattened to 2-D.
+    The sum is taken in float64, as ggml does."""
+    for i in prange(x.shape[0]):
+        s = 0.0
+        for j in range(x.shape[1]):
+            s += np.float64(x[i, j]) * x[i, j]
+        scale = np.float32(1.0 / math.sqrt(s / x.shape[1] + eps))
+        for j in range(x.shape[1]):
+            out[i, j] = x[i, j] * scale * w[j]
+
+
+@njit(parallel=True, cache=True)
+def rope(x, positions, inv_freq, neox):
+    """Rotate x (n_tok, n_heads, head_dim) in place. neox: pairs (i, i + d/2); else (2i, 2i+1).
+    Only the first 2*len(inv_freq) dims rotate."""
+    half = inv_freq.shape[0]
+    for t in prange(x.shape[0]):
+        p = positions[t]
+        for i in range(half):
+            theta = p * inv_freq[i]
+            c, s = np.float32(math.cos(theta)), np.float32(math.sin(theta))
+            a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            for h in range(x.shape[1]):
+                x0, x1 = x[t, h, a], x[t, h, b]
+                x[t, h, a] = x0 * c - x1 * s
+                x[t, h, b] = x0 * s + x1 * c
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch):
+    """out[t, h] = softmax(scale * q[t, h] . k[g]) @ v[g] over the cached slots that hold a
+    position p <= qpos[t] (and qpos[t] - p < window for sliding layers), g = h's kv head.
+    q, out: (n_tok, n_head, d); k, v: (n_kv, cap, d); scratch: (threads, cap) float32.
+    As llama.cpp's default (f16 cache, no flash attention): q, k and v hold f16 values (the
+    caller rounds them) and the softmax weights are rounded to f16 before they meet v. With
+    qwen's large key biases a score moves by whole units without this."""
+    n_tok, n_head, d = q.shape
+    group = n_head // k.shape[0]
+    for th in prange(n_tok * n_head):
+        t, h = th // n_head, th % n_head
+        g = h // group
+        sc = scratch[get_thread_id()]
+        p1 = qpos[t]
+        mx = -np.inf
+        for s in range(n_slots):
+            p0 = kpos[s]
+            if p0 < 0 or p0 > p1 or (window > 0 and p1 - p0 >= window):
+                sc[s] = -np.inf
+                continue
+            acc = np.float32(0)
+            for j in range(d):
+                acc += q[t, h, j] * k[g, s, j]
+            acc *= scale
+            sc[s] = acc
+            mx = max(mx, acc)
+        total = 0.0
+        for s in range(n_slots):
+            e = np.float32(math.exp(sc[s] - mx)) if sc[s] != -np.inf else np.float32(0)
+            sc[s] = e
+            total += e
+        inv = np.float32(1.0 / total)
+        for j in range(d):
+            out[t, h, j] = 0
+        for s in range(n_slots):
+            if sc[s] > 0:
+                wgt = f16_round(sc[s] * inv)
+                for j in range(d):
+                    out[t, h, j] += wgt * v[g, s, j]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def silu_mul(gate, up, out):
+    for i in prange(gate.shape[0]):
+        for j in range(gate.shape[1]):
+            g = gate[i, j]
+            out[i, j] = g / (np.float32(1) + np.float32(math.exp(-g))) * up[i, j]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def gelu_tanh_mul(gate, up, out):
+    c = np.float32(math.sqrt(2.0 / math.pi))
+    for i in prange(gate.shape[0]):
+        for j in range(gate.shape[1]):
+            g = gate[i, j]
+            out[i, j] = np.float32(0.5) * g * (np.float32(1) + np.float32(math.tanh(c * (g + np.float32(0.044715) * g * g * g)))) * up[i, j]

@@ -1,0 +1,177 @@
+"""The CPU backend: one config-driven forward for llama, qwen2, qwen3 and gemma3 over the
+memory-mapped blocks. Decode (one token) runs the fused matvec kernels; prefill chunks go
+through the tiled matmul. Every activation buffer is allocated once, at load."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+import quant
+from gguf_io.config import ModelConfig
+from gguf_io.reader import GGUFError, GGUFFile
+from runner.backends import kernels as K
+from runner.kv_cache import KVCache
+
+
+@dataclass
+class Linear:
+    type_id: int
+    raw: np.ndarray       # (n_out, row_bytes) read-only view of the file
+    n_in: int
+    n_out: int
+    bias: np.ndarray | None = None
+
+    def __call__(self, X: np.ndarray, Y: np.ndarray) -> None:
+        if X.shape[0] == 1:
+            quant.matvec(self.type_id, self.raw, X[0], Y[0])
+        else:
+            quant.matmul(self.type_id, self.raw, X, Y)
+        if self.bias is not None:
+            Y += self.bias
+
+
+@dataclass
+class Layer:
+    attn_norm: np.ndarray
+    wq: Linear
+    wk: Linear
+    wv: Linear
+    wo: Linear
+    ffn_norm: np.ndarray
+    gate: Linear
+    up: Linear
+    down: Linear
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None
+    post_ffn_norm: np.ndarray | None = None
+    inv_freq: np.ndarray | None = None
+    window: int = 0
+
+
+class NumbaCPU:
+    name = "numba-cpu"
+
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, chunk: int = 256):
+        self.cfg, self.chunk = cfg, chunk
+        for t in f.tensors.values():
+            quant.qtype(t.type_id)   # unsupported types fail at load, with the type named
+
+        def vec(name):   # small float vectors (norms, biases) are copied to float32
+            if name not in f.tensors:
+                return None
+            t = f.tensors[name]
+            return quant.dequantize(t.type_id, f.raw(name).reshape(1, -1), t.n_elements)[0]
+
+        def lin(name, bias=None):
+            if name not in f.tensors:
+                raise GGUFError(f"{f.path}: tensor {name} is missing")
+            t = f.tensors[name]
+            return Linear(t.type_id, f.raw(name), t.dims[0], t.dims[1], vec(bias) if bias else None)
+
+        freq_factors = vec("rope_freqs.weight")
+        self.layers = []
+        for i in range(cfg.n_layer):
+            p = f"blk.{i}."
+            b = (lambda n: p + n + ".bias") if cfg.qkv_bias else (lambda n: None)
+            inv = 1.0 / cfg.rope_base_for(i) ** (np.arange(0, cfg.rope_dim, 2) / cfg.rope_dim) / cfg.rope_scale
+            if freq_factors is not None:
+                inv = inv / freq_factors
+            self.layers.append(Layer(
+                attn_norm=vec(p + "attn_norm.weight"), wq=lin(p + "attn_q.weight", b("attn_q")),
+                wk=lin(p + "attn_k.weight", b("attn_k")), wv=lin(p + "attn_v.weight", b("attn_v")),
+                wo=lin(p + "attn_output.weight"), ffn_norm=vec(p + "ffn_norm.weight"),
+                gate=lin(p + "ffn_gate.weight"), up=lin(p + "ffn_up.weight"), down=lin(p + "ffn_down.weight"),
+                q_norm=vec(p + "attn_q_norm.weight"), k_norm=vec(p + "attn_k_norm.weight"),
+                post_attn_norm=vec(p + "post_attention_norm.weight"), post_ffn_norm=vec(p + "post_ffw_norm.weight"),
+                inv_freq=inv.astype(np.float64), window=cfg.sliding_window if cfg.is_sliding(i) else 0))
+        self.embd = lin("token_embd.weight")
+        self.output_norm = vec("output_norm.weight")
+        self.output = self.embd if cfg.tied_output else lin("output.weight")
+        self._alloc()
+
+    def _alloc(self):
+        c, C = self.cfg, self.chunk
+        qd, kd = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+        z = lambda *s: np.zeros(s, np.float32)
+        self.x, self.h, self.o = z(C, c.n_embd), z(C, c.n_embd), z(C, c.n_embd)
+        self.q, self.attn = z(C, qd), z(C, qd)
+        self.k, self.v = z(C, kd), z(C, kd)
+        self.g, self.u = z(C, c.n_ff), z(C, c.n_ff)
+        self.logits1 = z(1, c.n_vocab)
+        self.logits_all = None          # (chunk, vocab): allocated on first logits="all"
+        self.scratch = None             # attention scores, sized by the cache
+
+    def make_cache(self, n_ctx: int, n_keep: int = 0) -> KVCache:
+        c = self.cfg
+        cache = KVCache(c.n_layer, c.n_head_kv, c.head_dim, n_ctx, [l.window for l in self.layers], self.chunk, n_keep)
+        cap = max(lc.cap for lc in cache.layers)
+        if self.scratch is None or self.scratch.shape[1] < cap:
+            self.scratch = np.zeros((numba.config.NUMBA_NUM_THREADS, cap), np.float32)
+        return cache
+
+    def forward(self, tokens, cache: KVCache, logits: str = "last") -> np.ndarray:
+        """Run tokens at positions cache.n_past... and return float32 logits: (1, vocab) for the
+        last token, or (n, vocab) for all. Longer inputs go in chunks."""
+        tokens = np.asarray(tokens, np.int64)
+        outs = []
+        for s in range(0, len(tokens), self.chunk):
+            last = s + self.chunk >= len(tokens)
+            out = self._forward_chunk(tokens[s:s + self.chunk], cache, "all" if logits == "all" else "last" if last else None)
+            if logits == "all":
+                outs.append(out.copy())
+        return np.concatenate(outs) if logits == "all" else out
+
+    def _forward_chunk(self, tokens, cache: KVCache, mode: str | None) -> np.ndarray | None:
+        c, n = self.cfg, len(tokens)
+        hd = c.head_dim
+        positions = np.arange(cache.n_past, cache.n_past + n)
+        slots = cache.write_slots(n)
+        x, h, o = self.x[:n], self.h[:n], self.o[:n]
+        q, k, v, attn = self.q[:n], self.k[:n], self.v[:n], self.attn[:n]
+        g, u = self.g[:n], self.u[:n]
+        quant.qtype(self.embd.type_id).dequant_rows(self.embd.raw[tokens], x)
+        if c.embed_scale != 1.0:
+            x *= np.float32(c.embed_scale)
+        for L, lc, sl in zip(self.layers, cache.layers, slots):
+            K.rms_norm(x, L.attn_norm, c.norm_eps, h)
+            L.wq(h, q)
+            L.wk(h, k)
+            L.wv(h, v)
+            q3, k3 = q.reshape(n, c.n_head, hd), k.reshape(n, c.n_head_kv, hd)
+            if L.q_norm is not None:
+                K.rms_norm(q3.reshape(-1, hd), L.q_norm, c.norm_eps, q3.reshape(-1, hd))
+                K.rms_norm(k3.reshape(-1, hd), L.k_norm, c.norm_eps, k3.reshape(-1, hd))
+            K.rope(q3, positions, L.inv_freq, c.rope_neox)
+            K.rope(k3, positions, L.inv_freq, c.rope_neox)
+            # the cache holds f16 values, as llama.cpp's default f16 cache does (see K.attention)
+            lc.k[:, sl] = k3.transpose(1, 0, 2).astype(np.float16)
+            lc.v[:, sl] = v.reshape(n, c.n_head_kv, hd).transpose(1, 0, 2).astype(np.float16)
+            q3[...] = q3.astype(np.float16)
+            K.attention(q3, positions, lc.k, lc.v, lc.pos, lc.hi, L.window, np.float32(hd ** -0.5),
+                        attn.reshape(n, c.n_head, hd), self.scratch)
+            L.wo(attn, o)
+            if L.post_attn_norm is not None:
+                K.rms_norm(o, L.post_attn_norm, c.norm_eps, o)
+            x += o
+            K.rms_norm(x, L.ffn_norm, c.norm_eps, h)
+            L.gate(h, g)
+            L.up(h, u)
+            (K.gelu_tanh_mul if c.act == "gelu_tanh" else K.silu_mul)(g, u, g)
+            L.down(g, o)
+            if L.post_ffn_norm is not None:
+                K.rms_norm(o, L.post_ffn_norm, c.norm_eps, o)
+            x += o
+        if mode is None:
+            return None
+        if mode == "last":
+            rows, out = x[-1:], self.logits1
+        else:
+            if self.logits_all is None:
+                self.logits_all = np.zeros((self.chunk, c.n_vocab), np.float32)
+            rows, out = x, self.logits_all[:n]
+        K.rms_norm(rows, self.output_norm, c.norm_eps, h[:len(rows)])
+        self.output(h[:len(rows)], out)
+        return out
