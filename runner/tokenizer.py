@@ -1,0 +1,330 @@
+"""Tokenizers that give the same token ids as llama.cpp for a GGUF vocabulary.
+
+The merge loops run in the `tokenizers` library; what llama.cpp adds around them is done here
+in plain Python so that it follows llama.cpp step by step (src/llama-vocab.cpp):
+
+1. Special-token partition: CONTROL/UNKNOWN tokens (only when ``special=True``) and
+   USER_DEFINED tokens (always) are cut out of the text, longest token first, each at every
+   occurrence. UNUSED tokens are never cut out.
+2. Each remaining text fragment is tokenized on its own:
+   - BPE ("gpt2"): a byte-level BPE model over the GGUF vocab and merges, behind the regex
+     splits llama.cpp uses for ``tokenizer.ggml.pre``; no Unicode normalizer.
+   - SPM ("llama"): an optional space prefix, ' ' -> '▁', then BPE with byte fallback whose
+     merges are every split of a token into two vocab tokens, ordered by the token's score.
+3. BOS/EOS are added around the result.
+
+Known difference: the regex engine in `tokenizers` knows the letters and digits added in
+Unicode 16 (Garay, Kirat Rai, Egyptian hieroglyphs extension A, ... about 4,400 codepoints);
+llama.cpp's tables do not, so text holding them can split into different BPE words there.
+Such text still round-trips.
+"""
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+from tokenizers import Regex
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers
+
+# tokenizer.ggml.token_type values
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+
+
+@dataclass(frozen=True)
+class _Pre:
+    regexes: tuple[str, ...]   # applied in turn; matches and the gaps between them become words
+    ignore_merges: bool = False   # a word that is already a token is taken whole (llama3)
+
+
+_LLAMA3 = _Pre((_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+",), ignore_merges=True)
+_QWEN2 = _Pre((_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+",))
+# tokenizer.ggml.pre names as llama.cpp spells them -> its pre-tokenizer for that name
+PRE_TOKENIZERS: dict[str, _Pre] = {
+    "default": _Pre((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]")),
+    "gpt-2": _Pre((_GPT2,)),
+    "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3,
+    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
+}
+MODELS = ("gpt2", "llama")
+
+# Token texts llama.cpp treats as end of generation (and so as CONTROL), whatever their type.
+_EOG_TEXTS = frozenset([
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+])
+# Fill-in-the-middle tokens llama.cpp also forces to CONTROL; pad, repo and file_sep end generation.
+_FIM_TEXTS = frozenset([
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+    "<|code_prefix|>", "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>",
+    "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>", "<|suffix|>", "<|fim_middle|>",
+    "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
+    "<|middle|>",
+])
+_FIM_EOG_TEXTS = (("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+                  ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+                  ("<|file_sep|>",))
+
+_CACHE_FORMAT = "numbat-spm-1"   # bump when the built SPM tokenizer changes
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable stand-in character -> the byte it encodes."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+@dataclass(eq=False)
+class Tokenizer:
+    tokens: list[str]
+    kind: str                          # "bpe" or "spm"
+    control: frozenset[int]            # CONTROL tokens, as llama.cpp marks them
+    eog_ids: frozenset[int]
+    bos_id: int | None
+    eos_id: int | None
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    _model: HFTokenizer = field(repr=False)
+    _hidden: frozenset[int] = field(repr=False)              # CONTROL/UNKNOWN: print only when asked
+    _pieces: list[bytes] = field(repr=False)                 # bytes each token stands for
+    _special: list[tuple[str, int, bool]] = field(repr=False)  # (text, id, hidden), longest first
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def is_control(self, token_id: int) -> bool:
+        return token_id in self.control
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._pieces[token_id]
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping) -> Tokenizer:
+        model = meta.get("tokenizer.ggml.model")
+        if model not in MODELS:
+            raise ValueError(f"unsupported tokenizer.ggml.model {model!r}: numbat supports "
+                             f"{', '.join(MODELS)} (BPE and SentencePiece vocabularies)")
+        tokens = list(meta["tokenizer.ggml.tokens"])
+        n = len(tokens)
+        types = np.asarray(meta.get("tokenizer.ggml.token_type", np.full(n, NORMAL)), dtype=np.int32)
+        if model == "gpt2":
+            pre_name = meta.get("tokenizer.ggml.pre", "default")
+            pre = PRE_TOKENIZERS.get(pre_name)
+            if pre is None:
+                raise ValueError(f"unsupported tokenizer.ggml.pre {pre_name!r} for a BPE vocabulary: "
+                                 f"numbat supports {', '.join(PRE_TOKENIZERS)}")
+            hf = _build_bpe(tokens, meta["tokenizer.ggml.merges"], pre)
+            kind, defaults = "bpe", dict(bos=11, eos=11, add_bos=pre is _LLAMA3, prefix=False)
+        else:
+            scores = np.asarray(meta.get("tokenizer.ggml.scores", np.zeros(n)), dtype=np.float32)
+            hf = _cached_spm(tokens, scores)
+            kind, defaults = "spm", dict(bos=1, eos=2, add_bos=True, prefix=True)
+
+        def special_id(key: str, default: int | None) -> int | None:
+            value = meta.get(f"tokenizer.ggml.{key}", default)
+            return value if value is not None and 0 <= value < n else default
+
+        bos_id, eos_id = special_id("bos_token_id", defaults["bos"]), special_id("eos_token_id", defaults["eos"])
+        index = {t: i for i, t in enumerate(tokens)}
+        forced = [index[t] for t in _EOG_TEXTS | _FIM_TEXTS if t in index]
+        fim_eog = [next((index[t] for t in names if t in index), None) for names in _FIM_EOG_TEXTS]
+        forced += [i for i in fim_eog if i is not None]
+        control = frozenset(np.flatnonzero(types == CONTROL).tolist()) | frozenset(forced)
+        hidden = control | frozenset(np.flatnonzero(types == UNKNOWN).tolist())
+        eog = {index[t] for t in _EOG_TEXTS if t in index} | {i for i in fim_eog if i is not None}
+        eog |= {i for i in (eos_id, special_id("eot_token_id", None), special_id("eom_token_id", None)) if i is not None}
+
+        user_defined = set(np.flatnonzero(types == USER_DEFINED).tolist())
+        # llama.cpp sorts its special-token cache by length only; ties keep id order here.
+        special = sorted(((tokens[i], i, i in hidden) for i in sorted(hidden | user_defined)),
+                         key=lambda s: -len(s[0].encode()))
+        return cls(
+            tokens=tokens, kind=kind, control=control, eog_ids=frozenset(eog),
+            bos_id=bos_id, eos_id=eos_id,
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", defaults["add_bos"])),
+            add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", defaults["prefix"])),
+            _model=hf, _hidden=hidden, _pieces=_pieces(tokens, types, hidden | user_defined, kind),
+            _special=special,
+        )
+
+    # -- encoding --------------------------------------------------------------------------
+
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = False,
+               add_eos: bool | None = None) -> list[int]:
+        """Token ids for ``text``; add_bos/add_eos None follow the model's metadata.
+
+        With ``special=False`` text that spells a control token (``<|im_start|>``) stays
+        plain text, as llama.cpp does for user input.
+        """
+        return self.encode_fragments(self.partition(text, special), add_bos, add_eos)
+
+    def partition(self, text: str, special: bool = False) -> list[str | int]:
+        """Cut special tokens out of ``text`` as llama.cpp does: raw text pieces and token ids."""
+        frags: list[str | int] = [text] if text else []
+        for piece, token_id, hidden in self._special:
+            if (hidden and not special) or piece not in text:
+                continue
+            out: list[str | int] = []
+            for frag in frags:
+                if isinstance(frag, int) or piece not in frag:
+                    out.append(frag)
+                    continue
+                for k, part in enumerate(frag.split(piece)):
+                    if k:
+                        out.append(token_id)
+                    if part:
+                        out.append(part)
+            frags = out
+        return frags
+
+    def encode_fragments(self, frags: Iterable[str | int], add_bos: bool | None = None,
+                         add_eos: bool | None = None) -> list[int]:
+        """Tokenize partitioned text: ids pass through, each text piece is tokenized alone."""
+        ids = [self.bos_id] if (self.add_bos if add_bos is None else add_bos) else []
+        prev_special = True   # SPM prefixes a space to text at the start and after a token
+        for frag in frags:
+            if isinstance(frag, int):
+                ids.append(frag)
+                prev_special = True
+                continue
+            if self.kind == "spm":
+                frag = ((" " if self.add_space_prefix and prev_special else "") + frag).replace(" ", "▁")
+            ids.extend(self._model.encode(frag, add_special_tokens=False).ids)
+            prev_special = False
+        if self.add_eos if add_eos is None else add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    # -- decoding --------------------------------------------------------------------------
+
+    def piece(self, token_id: int, special: bool = False) -> bytes:
+        """What a token prints as: control tokens print nothing unless ``special``."""
+        if not special and token_id in self._hidden:
+            return b""
+        return self._pieces[token_id]
+
+    def decode(self, ids: Iterable[int], special: bool = False) -> str:
+        return b"".join(self.piece(i, special) for i in ids).decode("utf-8", errors="replace")
+
+    def stream(self, special: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, special)
+
+
+class StreamDecoder:
+    """Turns ids arriving one at a time into text, holding back an unfinished UTF-8 character.
+
+    ``add(id)`` returns only whole characters (bytes that can never form one come out as
+    U+FFFD); ``flush()`` returns whatever is still held at the end.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, special: bool = False):
+        self._tokenizer = tokenizer
+        self._special = special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token_id: int) -> str:
+        return self._utf8.decode(self._tokenizer.piece(token_id, self._special))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+# -- building ------------------------------------------------------------------------------
+
+def _pieces(tokens: Sequence[str], types: np.ndarray, raw: frozenset[int], kind: str) -> list[bytes]:
+    """The bytes each token stands for, the way llama.cpp's token_to_piece renders them."""
+    byte_of = _byte_decoder()
+    out = []
+    for i, text in enumerate(tokens):
+        t = types[i]
+        if i in raw:   # control, unknown and user-defined tokens are stored as plain text
+            out.append(text.encode())
+        elif t == BYTE:   # <0xAB>
+            out.append(bytes([int(text[3:5], 16)]))
+        elif t != NORMAL:   # UNUSED and unknown types print nothing
+            out.append(b"")
+        elif kind == "spm":
+            out.append(text.replace("▁", " ").encode())
+        else:
+            out.append(bytes(byte_of[c] for c in text) if all(c in byte_of for c in text) else text.encode())
+    return out
+
+
+def _build_bpe(tokens: Sequence[str], merges: Sequence[str], pre: _Pre) -> HFTokenizer:
+    pairs = []
+    for m in merges:
+        k = m.find(" ", 1)   # the first space after the first character separates the pair
+        pairs.append((m[:k], m[k + 1:]))
+    hf = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, pairs, ignore_merges=pre.ignore_merges))
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return hf
+
+
+def _build_spm(tokens: Sequence[str], scores: np.ndarray) -> HFTokenizer:
+    """BPE with byte fallback that merges like SentencePiece: the highest-scoring token first."""
+    index = {t: i for i, t in enumerate(tokens)}
+    score = scores.tolist()
+    merges = []
+    for i, t in enumerate(tokens):
+        splits = [(t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in index and t[k:] in index]
+        splits.sort(key=lambda p: (score[index[p[0]]], score[index[p[1]]]), reverse=True)
+        merges.extend((score[i], a, b) for a, b in splits)
+    merges.sort(key=lambda m: m[0], reverse=True)   # stable: ties keep vocab order
+    return HFTokenizer(models.BPE(index, [(a, b) for _, a, b in merges], byte_fallback=True))
+
+
+def _cached_spm(tokens: Sequence[str], scores: np.ndarray) -> HFTokenizer:
+    """Building takes seconds for a 262k vocab, so the result is kept under NUMBAT_HOME."""
+    from models.catalog import home
+
+    digest = hashlib.sha256(_CACHE_FORMAT.encode())
+    digest.update(json.dumps(list(tokens), ensure_ascii=False).encode())
+    digest.update(np.ascontiguousarray(scores, dtype="<f4").tobytes())
+    path = home() / "tokenizers" / f"spm-{digest.hexdigest()[:32]}.json"
+    if path.is_file():
+        try:
+            return HFTokenizer.from_file(str(path))
+        except Exception:   # a damaged cache file is rebuilt below
+            pass
+    hf = _build_spm(tokens, scores)
+    _write_atomic(path, hf.to_str())
+    return hf
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
