@@ -1,0 +1,440 @@
+"""numbat: run GGUF language models on your CPU.
+
+Commands stay thin: they parse flags, call runner/ and render. Heavy modules (numba, the
+kernels, tokenizers) are imported inside the commands so `numbat --help` is instant.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from models import catalog
+
+# Compiled kernels go to NUMBAT_HOME so that an installed (read-only) package still caches them.
+os.environ.setdefault("NUMBA_CACHE_DIR", str(catalog.home() / "numba-cache"))
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="numbat: run GGUF language models locally (llama.cpp's answers, ollama's verbs).")
+err = Console(stderr=True, highlight=False)
+state = {"debug": False}
+
+ModelArg = Annotated[Optional[str], typer.Argument(help=f"A catalog name or a path to a .gguf (default {catalog.DEFAULT_MODEL}).")]
+
+
+class UserError(Exception):
+    """Bad input: printed as one line, exit code 1."""
+
+
+@app.callback()
+def _main(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False):
+    state["debug"] = debug
+
+
+# ---------------------------------------------------------------- loading with progress
+
+def _download_progress():
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   console=err, transient=True)
+    task = None
+
+    def update(done, total, what):
+        nonlocal task
+        if task is None:
+            bar.start()
+            task = bar.add_task(what, total=total)
+        bar.update(task, completed=done, description=what)
+        if done >= total:
+            bar.stop()
+    return update, bar
+
+
+def _load(model: str | None, threads: int | None = None):
+    from runner.model import load
+    name = model or catalog.DEFAULT_MODEL
+    if name in catalog.CATALOG and not catalog.is_cached(name):
+        err.print(f"pulling {name} (first use)")
+    update, bar = _download_progress()
+    cache_dir = Path(os.environ["NUMBA_CACHE_DIR"])
+    first = not cache_dir.is_dir() or not any(cache_dir.rglob("*.nbi"))
+    try:
+        if first:
+            with err.status("compiling kernels (first run only, about a minute)"):
+                m = load(name, update, threads)
+                _warm(m)
+        else:
+            m = load(name, update, threads)
+    finally:
+        bar.stop()
+    return m
+
+
+def _warm(m):
+    """Compile the decode and prefill paths once, on a throwaway cache."""
+    cache = m.make_cache(64)
+    m.backend.forward([m.tokenizer.bos_id or 0] * 2, cache)
+    m.backend.forward([m.tokenizer.bos_id or 0], cache)
+
+
+def _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed):
+    from runner.sampler import Sampler, SamplerConfig
+    try:
+        return Sampler(SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                                     repeat_penalty=repeat_penalty, seed=seed))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def _read_text(text: str) -> str:
+    return sys.stdin.read() if text == "-" else text
+
+
+# ---------------------------------------------------------------- model management
+
+@app.command()
+def pull(name: Annotated[str, typer.Argument(help="A catalog name, e.g. qwen2.5-coder:0.5b.")]):
+    """Download a catalog model into NUMBAT_HOME (sha256-checked, never half-written)."""
+    if name not in catalog.CATALOG:
+        raise UserError(catalog.unknown_name_message(name))
+    update, bar = _download_progress()
+    try:
+        path = catalog.fetch(name, update)
+    finally:
+        bar.stop()
+    print(f"{name}: {path}")
+
+
+@app.command("list")
+def list_models():
+    """The catalog, and which models are downloaded."""
+    from rich.table import Table
+    t = Table("name", "downloaded", "size", "path", box=None)
+    for name, e in catalog.CATALOG.items():
+        here = catalog.is_cached(name)
+        t.add_row(name, "yes" if here else "no", f"{e.size / 2**20:.0f} MiB", str(catalog.model_path(name)) if here else "")
+    Console().print(t)
+
+
+@app.command()
+def rm(name: Annotated[str, typer.Argument(help="A downloaded catalog model.")]):
+    """Delete a downloaded model."""
+    if name not in catalog.CATALOG:
+        raise UserError(catalog.unknown_name_message(name))
+    if not catalog.remove(name):
+        raise UserError(f"{name} is not downloaded (see `numbat list`)")
+    print(f"removed {name}")
+
+
+@app.command()
+def info(model: ModelArg = None,
+         as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False):
+    """Architecture, size, tensor types, context length and tokenizer of a model."""
+    from collections import Counter
+
+    from gguf_io import GGUFError, open_gguf
+    from gguf_io.config import config_from_gguf
+    from runner.model import ModelError, resolve
+    try:
+        path = resolve(model or catalog.DEFAULT_MODEL, _download_progress()[0])
+        f = open_gguf(path)
+    except (GGUFError, ModelError) as e:
+        raise UserError(str(e)) from None
+    types = Counter(t.type_name for t in f.tensors.values())
+    d = {"path": str(path), "architecture": f.architecture, "name": f.get("general.name", ""),
+         "parameters": f.n_params(), "file_size": f.file_size, "gguf_version": f.version,
+         "tensor_types": dict(types.most_common()), "tensors": len(f.tensors),
+         "context_length": f.get(f"{f.architecture}.context_length"),
+         "tokenizer": f.get("tokenizer.ggml.model"), "tokenizer_pre": f.get("tokenizer.ggml.pre"),
+         "vocab_size": len(f.get("tokenizer.ggml.tokens") or ()), "chat_template": "tokenizer.chat_template" in f.metadata}
+    try:
+        config_from_gguf(f)
+        d["supported"] = True
+    except GGUFError as e:
+        d["supported"], d["why_not"] = False, str(e)
+    if as_json:
+        print(json.dumps(d))
+        return
+    for k, v in d.items():
+        if k == "tensor_types":
+            v = ", ".join(f"{n} x{c}" for n, c in v.items())
+        elif k in ("parameters",):
+            v = f"{v / 1e6:.1f} M"
+        elif k == "file_size":
+            v = f"{v / 2**20:.1f} MiB"
+        print(f"{k:15s} {v}")
+
+
+# ---------------------------------------------------------------- running
+
+@app.command()
+def tokenize(model: ModelArg = None,
+             text: Annotated[Optional[str], typer.Argument(help="Text to tokenize ('-' reads stdin).")] = None,
+             file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the text from a file.")] = None,
+             ids: Annotated[bool, typer.Option("--ids", help="Print only the ids, as one JSON list.")] = False):
+    """Token ids of a text as the model's tokenizer splits it (BOS as the model says; no special tokens)."""
+    from gguf_io import GGUFError, open_gguf
+    from runner.model import ModelError, resolve
+    from runner.tokenizer import Tokenizer
+    if text is None and file is None:
+        raise UserError("give TEXT or --file F")
+    try:
+        src = file.read_text(encoding="utf-8") if file else _read_text(text)
+    except OSError as e:
+        raise UserError(f"cannot read {file}: {e.strerror}") from None
+    try:
+        f = open_gguf(resolve(model or catalog.DEFAULT_MODEL, _download_progress()[0]))
+        tok = Tokenizer.from_metadata(f.metadata)
+    except (GGUFError, ModelError, ValueError) as e:
+        raise UserError(str(e)) from None
+    out = tok.encode(src)
+    if ids:
+        print(json.dumps(out))
+    else:
+        for i in out:
+            print(f"{i:8d}  {tok.piece(i, special=True)!r}")
+
+
+@app.command()
+def perplexity(model: ModelArg = None,
+               file: Annotated[Path, typer.Option("--file", "-f", help="Text file to score.")] = ...,
+               ctx: Annotated[int, typer.Option("--ctx", "-c", help="Chunk size in tokens.")] = 512,
+               threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None):
+    """Perplexity of a text, by llama.cpp's method (last line: PPL = value +/- error)."""
+    from runner.perplexity import perplexity as ppl
+    if ctx < 8:
+        raise UserError(f"--ctx must be at least 8, got {ctx}")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"cannot read {file}: {e.strerror}") from None
+    m = _load(model, threads)
+    ids = m.tokenizer.encode(text)
+    try:
+        r = ppl(m, ids, ctx, progress=lambda c, n, p: err.print(f"[{c}/{n}] {p:.4f}"))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    print(f"PPL = {r.ppl:.4f} +/- {r.error:.5f}")
+
+
+@app.command()
+def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-' reads stdin.", show_default=False)],
+           max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Tokens to generate (-1: until end of turn).")] = -1,
+           temp: Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy.")] = 0.8,
+           top_k: Annotated[int, typer.Option("--top-k")] = 40,
+           top_p: Annotated[float, typer.Option("--top-p")] = 0.95,
+           min_p: Annotated[float, typer.Option("--min-p")] = 0.05,
+           repeat_penalty: Annotated[float, typer.Option("--repeat-penalty")] = 1.0,
+           seed: Annotated[Optional[int], typer.Option("--seed", help="Makes sampling reproducible.")] = None,
+           ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context length (default 4096).")] = None,
+           threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None,
+           stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at this text (repeatable).")] = None,
+           system: Annotated[Optional[str], typer.Option("--system", help="System prompt.")] = None,
+           raw: Annotated[bool, typer.Option("--raw", help="Plain continuation, no chat template.")] = False,
+           as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
+           verbose: Annotated[bool, typer.Option("--verbose", "-v", help="End with a stats line.")] = False):
+    """One reply to TEXT, streamed as it is generated."""
+    from runner.generate import ContextError, Done, Notice, Token, generate
+    if len(args) > 2:
+        raise UserError("give at most MODEL and TEXT (quote the text)")
+    model, text = (args[0], args[1]) if len(args) == 2 else (None, args[0])
+    if max_tokens < -1:
+        raise UserError(f"-n/--max-tokens must be -1 or more, got {max_tokens}")
+    if ctx is not None and ctx < 16:
+        raise UserError(f"-c/--ctx must be at least 16, got {ctx}")
+    sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    text = _read_text(text)
+    m = _load(model, threads)
+    if raw:
+        ids = m.tokenizer.encode((system + "\n" if system else "") + text)
+    else:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        ids = m.template.encode(m.tokenizer, msgs)
+    cache = m.make_cache(ctx, n_keep=1 if m.tokenizer.add_bos else 0)
+    done = None
+    try:
+        for ev in generate(m, ids, sampler, cache, max_tokens, tuple(stop or ())):
+            if isinstance(ev, Token) and not as_json:
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+            elif isinstance(ev, Notice):
+                err.print(f"[yellow]{ev.text}[/]")
+            elif isinstance(ev, Done):
+                done = ev
+    except ContextError as e:
+        raise UserError(str(e)) from None
+    s = done.stats
+    if as_json:
+        print(json.dumps({"model": m.name, "text": done.text, "finish_reason": done.finish_reason, **s.as_dict()}))
+    else:
+        print()
+    if verbose:
+        err.print(f"ttft {s.ttft_s * 1000:.0f} ms | prompt {s.prompt_tokens} tok, {s.prompt_tps:.1f} tok/s | "
+                  f"generation {s.completion_tokens} tok, {s.gen_tps:.1f} tok/s | {done.finish_reason}")
+
+
+CHAT_HELP = """commands: /help  /reset  /system TEXT  /stats  /save FILE  /exit (or Ctrl-D)
+Ctrl-C stops a reply and stays in the chat."""
+
+
+@app.command()
+def chat(model: ModelArg = None,
+         system: Annotated[Optional[str], typer.Option("--system", help="System prompt.")] = None,
+         max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Tokens per reply (-1: until end of turn).")] = -1,
+         temp: Annotated[float, typer.Option("--temp")] = 0.8,
+         top_k: Annotated[int, typer.Option("--top-k")] = 40,
+         top_p: Annotated[float, typer.Option("--top-p")] = 0.95,
+         min_p: Annotated[float, typer.Option("--min-p")] = 0.05,
+         repeat_penalty: Annotated[float, typer.Option("--repeat-penalty")] = 1.0,
+         seed: Annotated[Optional[int], typer.Option("--seed")] = None,
+         ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context length (default 4096).")] = None,
+         threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None):
+    """A multi-turn chat in the terminal. History stays in the KV cache: each turn runs only its new tokens."""
+    from runner.chat import ChatSession
+    if max_tokens < -1:
+        raise UserError(f"-n/--max-tokens must be -1 or more, got {max_tokens}")
+    sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    m = _load(model, threads)
+    s = ChatSession(m, sampler, m.context_length(ctx), system)
+    out = Console(highlight=False)
+    out.print(f"[dim]{m.name} ({m.cfg.arch}, context {s.cache.n_ctx}). /help for commands.[/]")
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print()
+            return
+        except KeyboardInterrupt:
+            print()
+            continue
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd in ("/exit", "/bye", "/quit"):
+            return
+        if cmd == "/help":
+            out.print(CHAT_HELP)
+        elif cmd == "/reset":
+            s.reset()
+            out.print("[dim]conversation cleared[/]")
+        elif cmd == "/system":
+            s.reset(arg or None)
+            out.print("[dim]system prompt set; conversation cleared[/]")
+        elif cmd == "/stats":
+            out.print(json.dumps(s.stats()))
+        elif cmd == "/save":
+            if not arg:
+                out.print("[red]usage: /save FILE[/]")
+                continue
+            try:
+                Path(arg).write_text(json.dumps({"model": m.name, "messages": s.messages}, indent=2, ensure_ascii=False))
+                out.print(f"[dim]saved {len(s.messages)} messages to {arg}[/]")
+            except OSError as e:
+                out.print(f"[red]cannot write {arg}: {e.strerror}[/]")
+        elif cmd.startswith("/"):
+            out.print(f"[red]unknown command {cmd}[/]; /help lists them")
+        elif line.strip():
+            try:
+                for piece, notice in s.reply(line, max_tokens):
+                    if notice:
+                        err.print(f"[yellow]{notice}[/]")
+                    else:
+                        sys.stdout.write(piece)
+                        sys.stdout.flush()
+            except KeyboardInterrupt:
+                s.interrupted()
+                out.print("[dim] (stopped)[/]", end="")
+            except UserError as e:
+                err.print(f"[red]error:[/] {e}")
+            print()
+
+
+@app.command()
+def bench(model: ModelArg = None,
+          n_prompt: Annotated[int, typer.Option("--n-prompt", "-p", help="Prompt tokens (test ppN).")] = 512,
+          n_gen: Annotated[int, typer.Option("--n-gen", "-n", help="Generated tokens (test tgN).")] = 128,
+          reps: Annotated[int, typer.Option("--repetitions", "-r", help="Runs per test.")] = 3,
+          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None,
+          as_json: Annotated[bool, typer.Option("--json", help="One JSON object per test, per line.")] = False):
+    """Prompt processing and generation speed, as llama-bench measures them (random tokens, empty context)."""
+    import numba
+    import numpy as np
+    if n_prompt < 0 or n_gen < 0 or reps < 1:
+        raise UserError("-p and -n must be >= 0 and -r >= 1")
+    m = _load(model, threads)
+    rng = np.random.default_rng(0)
+    cache = m.make_cache(max(n_prompt, n_gen) + 1)
+    rows = []
+    for test, n in (("pp", n_prompt), ("tg", n_gen)):
+        if n == 0:
+            continue
+        rates = []
+        for _ in range(reps + 1):   # the first run warms up and is not counted
+            ids = rng.integers(0, m.tokenizer.vocab_size, n).tolist()
+            cache.reset()
+            t = time.perf_counter()
+            if test == "pp":
+                m.backend.forward(ids, cache)
+            else:
+                for i in ids:
+                    m.backend.forward([i], cache)
+            rates.append(n / (time.perf_counter() - t))
+        r = np.array(rates[1:])
+        rows.append({"model": m.name, "size_bytes": m.file.file_size, "params": m.file.n_params(),
+                     "backend": m.backend.name, "threads": numba.get_num_threads(), "test": f"{test}{n}",
+                     "tokens_per_s": round(float(r.mean()), 2), "stddev": round(float(r.std()), 2)})
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+        return
+    from rich.table import Table
+    t = Table("model", "size", "params", "backend", "threads", "test", "t/s")
+    for row in rows:
+        t.add_row(row["model"], f"{row['size_bytes'] / 2**20:.2f} MiB", f"{row['params'] / 1e6:.2f} M", row["backend"],
+                  str(row["threads"]), row["test"], f"{row['tokens_per_s']:.2f} ± {row['stddev']:.2f}")
+    Console().print(t)
+
+
+def main():
+    try:
+        app(standalone_mode=False)
+    except UserError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:   # anything the commands did not turn into a UserError
+        import click
+        if isinstance(e, click.exceptions.Exit):
+            sys.exit(e.exit_code)
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            sys.exit(1)
+        if isinstance(e, _known_errors()) and not state["debug"]:
+            _fail(str(e))
+        if state["debug"]:
+            raise
+        _fail(f"{type(e).__name__}: {e} (run with --debug for the traceback)")
+
+
+def _known_errors() -> tuple[type, ...]:
+    from gguf_io import GGUFError
+    from quant import UnsupportedType
+    from runner.chat_template import TemplateError
+    from runner.generate import ContextError
+    from runner.model import ModelError
+    return (GGUFError, catalog.FetchError, UnsupportedType, ModelError, ContextError, TemplateError)
+
+
+def _fail(msg: str):
+    err.print(f"[red]error:[/] {msg}", soft_wrap=True)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

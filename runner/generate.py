@@ -1,0 +1,129 @@
+"""generate(): a generator of token events over a model and a KV cache.
+
+Prefill runs the new prompt tokens through the backend in chunks (batched matmul); decode
+then runs one token at a time. Text is streamed through the tokenizer's stream decoder, so
+no event carries half a UTF-8 character, and text that might begin a stop string is held
+back until it is known not to.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from runner.sampler import Sampler
+
+
+class ContextError(Exception):
+    pass
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_s: float = 0.0
+    gen_s: float = 0.0
+    ttft_s: float = 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s else 0.0
+
+    @property
+    def gen_tps(self) -> float:
+        # the first token comes out of prefill; the rest are decode steps
+        return (self.completion_tokens - 1) / self.gen_s if self.gen_s and self.completion_tokens > 1 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "ttft_s": round(self.ttft_s, 4), "prompt_tokens_per_s": round(self.prompt_tps, 2),
+                "generation_tokens_per_s": round(self.gen_tps, 2)}
+
+
+@dataclass
+class Token:
+    id: int
+    text: str
+
+
+@dataclass
+class Notice:
+    text: str
+
+
+@dataclass
+class Done:
+    finish_reason: str      # "stop" (end of generation token or stop string) | "length"
+    text: str
+    stats: Stats
+    tokens: list[int] = field(default_factory=list)
+
+
+def check_fits(n_prompt: int, cache) -> None:
+    room = cache.n_ctx - min(cache.n_keep, cache.n_past)
+    if n_prompt > room:
+        raise ContextError(f"the prompt is {n_prompt} tokens but the context holds {cache.n_ctx}: "
+                           f"raise it with -c/--ctx or shorten the prompt")
+
+
+def generate(model, prompt_ids: list[int], sampler: Sampler, cache, max_tokens: int = -1,
+             stop: tuple[str, ...] = (), history: list[int] | None = None) -> Iterator[Token | Notice | Done]:
+    """Feed prompt_ids (the tokens not yet in cache) and sample up to max_tokens (-1: until an
+    end-of-generation token, at most one context's worth). ``history`` is what penalties see."""
+    check_fits(len(prompt_ids), cache)
+    tok, backend = model.tokenizer, model.backend
+    history = list(history or []) + list(prompt_ids)
+    limit = max_tokens if max_tokens >= 0 else cache.n_ctx
+    stats = Stats(prompt_tokens=len(prompt_ids))
+    stream = tok.stream()
+    text, pending, out_ids = "", "", []
+    hold = max((len(s) for s in stop), default=1) - 1   # chars that could start a stop string
+    dropped_before = cache.dropped
+    t0 = time.perf_counter()
+    logits = backend.forward(prompt_ids, cache)[-1] if prompt_ids else None
+    stats.prompt_s = time.perf_counter() - t0
+    finish, t1 = "length", time.perf_counter()
+    while len(out_ids) < limit and logits is not None:
+        t = sampler.sample(sampler.dist(logits, history))
+        if not out_ids:
+            stats.ttft_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+        out_ids.append(t)
+        history.append(t)
+        if t in tok.eog_ids:
+            finish = "stop"
+            break
+        pending += stream.add(t)
+        cut = _find_stop(pending, stop)
+        if cut is not None:
+            pending, finish = pending[:cut], "stop_string"
+            break
+        emit = ""
+        if len(pending) > hold:
+            emit, pending = pending[:len(pending) - hold], pending[len(pending) - hold:]
+            text += emit
+        yield Token(t, emit)   # one event per token; text may be "" while it is held back
+        if len(out_ids) >= limit:
+            break
+        logits = backend.forward([t], cache)[-1]
+        if cache.dropped and not dropped_before:
+            dropped_before = True
+            yield Notice(f"context full ({cache.n_ctx} tokens): the earliest tokens were dropped "
+                         f"(the first {cache.n_keep} are kept)")
+    if finish != "stop_string":
+        pending += stream.flush()
+    finish = "stop" if finish == "stop_string" else finish
+    if pending:
+        text += pending
+        yield Token(-1, pending)   # the held-back tail: no new token
+    stats.completion_tokens = len(out_ids)
+    stats.gen_s = time.perf_counter() - t1
+    yield Done(finish, text, stats, out_ids)
+
+
+def _find_stop(text: str, stop: tuple[str, ...]) -> int | None:
+    hits = [text.find(s) for s in stop if s and s in text]
+    return min(hits) if hits else None

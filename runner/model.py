@@ -1,0 +1,77 @@
+"""Loading a model: a catalog name or a path -> the memory-mapped file, its config, tokenizer,
+chat template and a backend ready to run."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from gguf_io import GGUFError, GGUFFile, open_gguf
+from gguf_io.config import ModelConfig, config_from_gguf
+from models import catalog
+from runner.chat_template import ChatTemplate
+from runner.tokenizer import Tokenizer
+
+DEFAULT_CTX = 4096
+
+
+class ModelError(Exception):
+    """A model that cannot be found or run; the message says what to do."""
+
+
+def resolve(model: str, progress: catalog.Progress | None = None) -> Path:
+    """A path to a .gguf, or a catalog name (fetched on first use)."""
+    if model in catalog.CATALOG:
+        try:
+            return catalog.fetch(model, progress)
+        except catalog.FetchError as e:
+            raise ModelError(str(e)) from None
+    p = Path(model).expanduser()
+    if p.exists() or model.endswith(".gguf") or os.sep in model:
+        if not p.is_file():
+            raise ModelError(f"model file {p} does not exist: give a path to a .gguf file or one of: "
+                             f"{', '.join(catalog.CATALOG)}")
+        return p
+    raise ModelError(catalog.unknown_name_message(model))
+
+
+@dataclass
+class Model:
+    name: str
+    path: Path
+    file: GGUFFile
+    cfg: ModelConfig
+    tokenizer: Tokenizer
+    template: ChatTemplate
+    backend: object
+
+    def make_cache(self, n_ctx: int | None = None, n_keep: int = 0):
+        return self.backend.make_cache(self.context_length(n_ctx), n_keep)
+
+    def context_length(self, n_ctx: int | None) -> int:
+        """-c/--ctx, or 4096 (llama.cpp's default), never past what the model was trained for."""
+        return min(n_ctx or DEFAULT_CTX, self.cfg.n_ctx_train)
+
+
+def load(model: str, progress: catalog.Progress | None = None, threads: int | None = None) -> Model:
+    path = resolve(model, progress)
+    try:
+        f = open_gguf(path)
+        cfg = config_from_gguf(f)
+    except GGUFError as e:
+        raise ModelError(str(e)) from None
+    try:
+        tok = Tokenizer.from_metadata(f.metadata)
+    except ValueError as e:
+        raise ModelError(f"{path}: {e}") from None
+    template = ChatTemplate.from_metadata(f.metadata)
+    if threads:
+        import numba
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    from runner.backends.numba_cpu import NumbaCPU
+    import quant
+    try:
+        backend = NumbaCPU(f, cfg)
+    except (quant.UnsupportedType, GGUFError) as e:
+        raise ModelError(f"{path}: {e}") from None
+    return Model(model, path, f, cfg, tok, template, backend)
