@@ -36,40 +36,15 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from quant.act import quantize_q8_K, roundtrip_q8_K
 from quant.common import F16, QType, readonly
+from quant.intrin import _add32, _field, _mul16, _mul32, _or16
 
 f32 = np.float32
 i16 = np.int16
 u32 = np.uint32
-
-
-def _int_op(ty, op):
-    @intrinsic
-    def f(typingctx, a, b):
-        def codegen(context, builder, sig, args):
-            return getattr(builder, op)(args[0], args[1])
-        return ty(ty, ty), codegen
-    return f
-
-
-_mul16 = _int_op(types.int16, "mul")
-_mul32 = _int_op(types.int32, "mul")
-_add32 = _int_op(types.int32, "add")
-_or16 = _int_op(types.int16, "or_")
-
-
-@intrinsic
-def _field(typingctx, byte, shift, mask, up):
-    """((byte >> shift) & mask) << up in int16: a quant field of a byte, moved into place."""
-    def codegen(context, builder, sig, args):
-        b, s, m, u = args
-        return builder.shl(builder.and_(builder.lshr(b, s), m), u)
-    t = types.int16
-    return t(t, t, t, t), codegen
 
 
 @njit(inline="always")

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as T
 from numba import njit, prange
 
 from quant.common import F16, QType, readonly
+from quant.intrin import _add32, _field, _mul32, _or16
 from quant.act import quantize_q8_0, roundtrip_q8_0, scratch
 
 I32 = np.int32
@@ -88,23 +89,25 @@ def _dq_q8_0(raw, out, F16):
 
 
 # ---------------------------------------------------------------- matvec on 8-bit activations
+# Lanes of a block are written as loops over l with 16/32-bit intrinsics (quant.intrin), so
+# LLVM vectorizes them; xq is int16 so it is read without widening.
 
 @njit(parallel=True, fastmath=True, cache=True)
 def _mv_4bit(raw, xq, xd, xs, isum, y, F16, bs, has_min):
     nb = raw.shape[1] // bs
     for r in prange(raw.shape[0]):
-        row = raw[r]
+        w = raw[r]
         acc = np.float32(0)
         for b in range(nb):
             o = b * bs
-            q = o + bs - 16
-            x = b * 32
+            q, x = o + bs - 16, b * 32
             s = I32(0)
-            for j in range(16):
-                s += I32(I32(row[q + j] & 15) * I32(xq[x + j])) + I32(I32(row[q + j] >> 4) * I32(xq[x + j + 16]))
-            d = _f16(row, o, F16)
-            if has_min:   # x_block . (d*q + m) = d*dx*s + m*sum(x_block)
-                acc += d * xd[b] * np.float32(s) + _f16(row, o + 2, F16) * xs[b]
+            for l in range(16):
+                s = _add32(s, _add32(_mul32(_field(w[q + l], 0, 15, 0), xq[x + l]),
+                                     _mul32(_field(w[q + l], 4, 15, 0), xq[x + l + 16])))
+            d = _f16(w, o, F16)
+            if has_min:   # x_block . (d*q + m) = d*dx*s + m*s_x (Q8_1's s)
+                acc += d * xd[b] * np.float32(s) + _f16(w, o + 2, F16) * xs[b]
             else:         # x_block . d*(q-8) = d*dx*(s - 8*sum(xq))
                 acc += d * xd[b] * np.float32(s - 8 * isum[b])
         y[r] = acc
@@ -114,39 +117,38 @@ def _mv_4bit(raw, xq, xd, xs, isum, y, F16, bs, has_min):
 def _mv_5bit(raw, xq, xd, xs, isum, y, F16, bs, has_min):
     nb = raw.shape[1] // bs
     for r in prange(raw.shape[0]):
-        row = raw[r]
+        w = raw[r]
         acc = np.float32(0)
         for b in range(nb):
             o = b * bs
-            qh = _u32(row, o + bs - 20)
-            q = o + bs - 16
-            x = b * 32
+            qh = _u32(w, o + bs - 20)
+            q, x = o + bs - 16, b * 32
             s = I32(0)
-            for j in range(16):
-                lo = I32(row[q + j] & 15) | I32(((qh >> j) & 1) << 4)
-                hi = I32(row[q + j] >> 4) | I32(((qh >> (j + 16)) & 1) << 4)
-                s += I32(lo * I32(xq[x + j])) + I32(hi * I32(xq[x + j + 16]))
-            d = _f16(row, o, F16)
+            for l in range(16):
+                lo = _or16(_field(w[q + l], 0, 15, 0), _field(np.int16(qh >> np.uint32(l)), 0, 1, 4))
+                hi = _or16(_field(w[q + l], 4, 15, 0), _field(np.int16(qh >> np.uint32(l + 16)), 0, 1, 4))
+                s = _add32(s, _add32(_mul32(lo, xq[x + l]), _mul32(hi, xq[x + l + 16])))
+            d = _f16(w, o, F16)
             if has_min:
-                acc += d * xd[b] * np.float32(s) + _f16(row, o + 2, F16) * xs[b]
+                acc += d * xd[b] * np.float32(s) + _f16(w, o + 2, F16) * xs[b]
             else:
                 acc += d * xd[b] * np.float32(s - 16 * isum[b])
         y[r] = acc
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _mv_q8_0(raw, xq, xd, y, F16):
+def _mv_q8_0(raw, wi, xq, xd, y, F16):
+    """wi: the same bytes as int8, so quants sign-extend as they load."""
     nb = raw.shape[1] // 34
     for r in prange(raw.shape[0]):
-        row = raw[r]
+        w, v = raw[r], wi[r]
         acc = np.float32(0)
         for b in range(nb):
-            o = b * 34 + 2
-            x = b * 32
+            o, x = b * 34 + 2, b * 32
             s = I32(0)
-            for j in range(32):
-                s += I32(I32(np.int8(row[o + j])) * I32(xq[x + j]))
-            acc += _f16(row, b * 34, F16) * xd[b] * np.float32(s)
+            for l in range(32):
+                s = _add32(s, _mul32(v[o + l], xq[x + l]))
+            acc += _f16(w, b * 34, F16) * xd[b] * np.float32(s)
         y[r] = acc
 
 
@@ -174,7 +176,8 @@ def _q8_dequant(raw, out):
 def _q8_matvec(raw, x, y):
     xq, xd, xs, isum = scratch("q8_0", x.shape[0])
     quantize_q8_0(x, xq, xd, xs, isum)
-    _mv_q8_0(readonly(raw), xq, xd, y, F16)
+    raw = readonly(raw)
+    _mv_q8_0(raw, raw.view(np.int8), xq, xd, y, F16)
 
 
 QTYPES = {q.type_id: q for q in [
