@@ -114,7 +114,8 @@ class NumbaCPU:
 
     def forward(self, tokens, cache: KVCache, logits: str = "last") -> np.ndarray:
         """Run tokens at positions cache.n_past... and return float32 logits: (1, vocab) for the
-        last token, or (n, vocab) for all. Longer inputs go in chunks."""
+        last token, or (n, vocab) for all. Longer inputs go in chunks. The "last" logits live
+        in a buffer that the next call overwrites: copy them to keep them."""
         tokens = np.asarray(tokens, np.int64)
         outs = []
         for s in range(0, len(tokens), self.chunk):

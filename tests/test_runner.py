@@ -1,0 +1,224 @@
+"""The runner on tiny random-weight models: cache semantics, prefill vs decode, rollback,
+context overflow, sampler rules and generate()'s stop handling."""
+import numpy as np
+import pytest
+
+from gguf_io.testing import write_tiny_model
+from runner.generate import ContextError, Done, Notice, Token, generate
+from runner.kv_cache import KVCache
+from runner.model import load
+from runner.sampler import Sampler, SamplerConfig, apply_penalties
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load(str(write_tiny_model(tmp_path_factory.mktemp("m") / "llama.gguf", "llama", seed=1)))
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory):
+    p = write_tiny_model(tmp_path_factory.mktemp("m") / "gemma.gguf", "gemma3", n_layer=6, head_dim=32,
+                         sliding_window=8, seed=2)
+    return load(str(p))
+
+
+IDS = [1, 300, 301, 302, 290, 310, 305, 299, 320, 330, 311, 312, 313, 340, 350, 360, 370, 371, 372, 373]
+
+
+# ---------------------------------------------------------------- KV cache
+
+def test_ring_keeps_the_first_tokens_and_overwrites_the_oldest():
+    c = KVCache(1, 1, 4, n_ctx=8, windows=[0], chunk=4, n_keep=2)
+    for _ in range(11):
+        c.write_slots(1)
+    lc = c.layers[0]
+    assert c.dropped and c.n_past == 11
+    assert sorted(lc.pos.tolist()) == [0, 1, 5, 6, 7, 8, 9, 10]   # 2 kept + the 6 most recent
+
+
+def test_sliding_layers_hold_window_plus_chunk():
+    c = KVCache(2, 1, 4, n_ctx=100, windows=[8, 0], chunk=4)
+    assert [lc.cap for lc in c.layers] == [12, 100]
+    c.write_slots(30)
+    assert not c.dropped            # a sliding layer wrapping is not a context overflow
+    assert sorted(c.layers[0].pos.tolist()) == list(range(18, 30))
+
+
+def test_rollback_forgets_positions():
+    c = KVCache(1, 1, 4, n_ctx=16, windows=[0], chunk=4)
+    c.write_slots(10)
+    c.rollback(3)
+    assert c.n_past == 7 and (c.layers[0].pos >= 7).sum() == 0
+
+
+# ---------------------------------------------------------------- forward
+
+def _decode_logits(m, ids, n_ctx=64):
+    cache = m.make_cache(n_ctx)
+    return np.concatenate([m.backend.forward([i], cache).copy() for i in ids])
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_gemma"])
+def test_prefill_equals_decode(name, request):
+    """Chunked prefill (matmul path) and one-token decode (matvec path) are the same model;
+    on F32 weights they differ by float summation order, which can flip the f16 rounding of
+    a softmax weight (as in llama.cpp): 3e-4 of the largest logit covers that."""
+    m = request.getfixturevalue(name)
+    full = m.backend.forward(IDS, m.make_cache(64), logits="all")
+    step = _decode_logits(m, IDS)
+    np.testing.assert_allclose(full, step, rtol=1e-4, atol=3e-4 * np.abs(full).max())
+
+
+def test_prefill_in_chunks_equals_one_chunk(tiny_gemma):
+    m = tiny_gemma
+    one = m.backend.forward(IDS, m.make_cache(64), logits="all")
+    chunk = m.backend.chunk
+    try:
+        m.backend.chunk = 3      # chunks smaller than the sliding window and not dividing the input
+        several = m.backend.forward(IDS, m.make_cache(64), logits="all")
+    finally:
+        m.backend.chunk = chunk
+    np.testing.assert_allclose(one, several, rtol=1e-4, atol=3e-4 * np.abs(one).max())
+
+
+def test_rollback_then_rerun_gives_the_same_logits(tiny):
+    m = tiny
+    cache = m.make_cache(64)
+    m.backend.forward(IDS[:10], cache)
+    a = m.backend.forward(IDS[10:14], cache, logits="all").copy()
+    cache.rollback(4)
+    m.backend.forward([5, 6, 7], cache)      # a rejected draft
+    cache.rollback(3)
+    b = m.backend.forward(IDS[10:14], cache, logits="all")
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(a).max())
+
+
+def test_sliding_layers_cache_only_window_plus_chunk(tiny_gemma):
+    m = tiny_gemma
+    cache = m.backend.make_cache(400)   # past the tiny training context on purpose
+    for L, lc in zip(m.backend.layers, cache.layers):
+        assert lc.cap == (L.window + m.backend.chunk if L.window else 400)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_attention_kernel_masks_by_position_and_window(window):
+    """Against numpy: causal softmax attention with GQA over the slots' positions, the
+    weights rounded to f16 before they meet v, as the kernel (and llama.cpp) does."""
+    from runner.backends.kernels import attention
+    rng = np.random.default_rng(0)
+    n_tok, n_head, n_kv, d, cap = 4, 4, 2, 8, 10
+    q = rng.standard_normal((n_tok, n_head, d)).astype(np.float16).astype(np.float32)
+    k = rng.standard_normal((n_kv, cap, d)).astype(np.float16).astype(np.float32)
+    v = rng.standard_normal((n_kv, cap, d)).astype(np.float16).astype(np.float32)
+    kpos = np.array([6, 7, 8, 9, 0, 1, 2, 3, 4, 5])          # a wrapped ring
+    qpos = np.array([6, 7, 8, 9])
+    out = np.zeros((n_tok, n_head, d), np.float32)
+    attention(q, qpos, k, v, kpos, cap, window, np.float32(d ** -0.5), out, np.zeros((8, cap), np.float32))
+    for t in range(n_tok):
+        ok = (kpos <= qpos[t]) & ((qpos[t] - kpos < window) if window else True)
+        for h in range(n_head):
+            g = h // 2
+            s = (k[g] @ q[t, h]) * d ** -0.5
+            s = np.where(ok, s, -np.inf)
+            w = np.exp(s - s.max())
+            w = (w / w.sum()).astype(np.float16).astype(np.float64)
+            np.testing.assert_allclose(out[t, h], w @ v[g], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- generate
+
+def test_generate_streams_decoded_text_and_stops_on_length(tiny):
+    m = tiny
+    evs = list(generate(m, IDS[:5], Sampler(SamplerConfig(temp=0)), m.make_cache(64), max_tokens=12))
+    done = evs[-1]
+    assert isinstance(done, Done) and done.finish_reason in ("length", "stop")
+    text = "".join(e.text for e in evs if isinstance(e, Token))
+    assert text == done.text
+    if done.finish_reason == "length":
+        assert len(done.tokens) == 12
+        assert text == m.tokenizer.decode(done.tokens)
+
+
+def test_stop_string_cuts_the_text(tiny):
+    m = tiny
+    free = list(generate(m, IDS[:5], Sampler(SamplerConfig(temp=0)), m.make_cache(64), max_tokens=20))[-1]
+    assert len(free.text) > 6
+    stop = free.text[3:6]
+    evs = list(generate(m, IDS[:5], Sampler(SamplerConfig(temp=0)), m.make_cache(64), max_tokens=20, stop=(stop,)))
+    done = evs[-1]
+    assert done.finish_reason == "stop"
+    assert done.text == free.text[:free.text.index(stop)]
+    assert "".join(e.text for e in evs if isinstance(e, Token)) == done.text
+
+
+def test_context_overflow_goes_on_and_says_so_once(tiny):
+    m = tiny
+    cache = m.make_cache(16, n_keep=1)
+    evs = list(generate(m, IDS[:6], Sampler(SamplerConfig(temp=0)), cache, max_tokens=30))
+    notices = [e for e in evs if isinstance(e, Notice)]
+    done = evs[-1]
+    if done.finish_reason == "length":
+        assert len(done.tokens) == 30 and cache.n_past > 16
+        assert len(notices) == 1 and "dropped" in notices[0].text
+
+
+def test_prompt_longer_than_context_is_an_error(tiny):
+    with pytest.raises(ContextError, match="context holds 16"):
+        list(generate(tiny, IDS, Sampler(SamplerConfig(temp=0)), tiny.make_cache(16)))
+
+
+# ---------------------------------------------------------------- sampler
+
+def _logits(rng, n=50):
+    return rng.standard_normal(n).astype(np.float32) * 3
+
+
+def test_greedy_is_argmax_and_top_k_1_is_greedy():
+    lg = _logits(np.random.default_rng(0))
+    assert Sampler(SamplerConfig(temp=0)).sample(Sampler(SamplerConfig(temp=0)).dist(lg)) == lg.argmax()
+    s = Sampler(SamplerConfig(temp=1.0, top_k=1, seed=3))
+    assert all(s.sample(s.dist(lg)) == lg.argmax() for _ in range(20))
+
+
+def test_plain_temperature_is_softmax():
+    lg = _logits(np.random.default_rng(1))
+    p = Sampler(SamplerConfig(temp=0.7, top_k=0, top_p=1.0, min_p=0.0)).dist(lg)
+    ref = np.exp(lg / 0.7 - (lg / 0.7).max())
+    np.testing.assert_allclose(p, ref / ref.sum(), rtol=1e-5)   # float32 logits vs float64
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    lg = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
+    p = Sampler(SamplerConfig(temp=1.0, top_k=0, top_p=0.8, min_p=0.0)).dist(lg)
+    np.testing.assert_allclose(p, [0.5 / 0.8, 0.3 / 0.8, 0, 0], rtol=1e-6)
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    lg = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
+    p = Sampler(SamplerConfig(temp=1.0, top_k=0, top_p=1.0, min_p=0.2)).dist(lg)
+    np.testing.assert_allclose(p, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0], rtol=1e-6)
+
+
+def test_penalties_follow_llama_cpp():
+    lg = np.array([2.0, -2.0, 1.0, 0.5], np.float32)
+    out = apply_penalties(lg, [0, 1, 1], SamplerConfig(repeat_penalty=2.0, frequency_penalty=0.1, presence_penalty=0.3))
+    np.testing.assert_allclose(out, [2.0 / 2 - 0.1 - 0.3, -2.0 * 2 - 0.2 - 0.3, 1.0, 0.5], rtol=1e-6)
+
+
+def test_seed_makes_sampling_reproducible():
+    lg = _logits(np.random.default_rng(2))
+    draw = lambda: [s.sample(s.dist(lg)) for s in [Sampler(SamplerConfig(temp=1.5, seed=7))] for _ in range(30)]
+    assert draw() == draw()
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    lg = np.log(np.array([0.6, 0.3, 0.1], np.float32))
+    s = Sampler(SamplerConfig(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11))
+    counts = np.bincount([s.sample(s.dist(lg)) for _ in range(6000)], minlength=3) / 6000
+    np.testing.assert_allclose(counts, [0.6, 0.3, 0.1], atol=0.02)
+
+
+@pytest.mark.parametrize("bad", [dict(temp=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=2), dict(top_k=-1)])
+def test_bad_sampler_values_are_refused(bad):
+    with pytest.raises(ValueError):
+        Sampler(SamplerConfig(**bad))
