@@ -2,6 +2,7 @@
 type shares (dequantize a tensor, matvec, batched matmul, quantize)."""
 from __future__ import annotations
 
+import numba
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
@@ -63,10 +64,17 @@ def matmul(type_id: int, raw: np.ndarray, X: np.ndarray, Y: np.ndarray) -> None:
         X = Xr
     tr = max(16, min(rows, _TILE_BYTES // (4 * cols)))
     tile = _buffer(("tile", tr, cols), (tr, cols))
-    for r0 in range(0, rows, tr):
-        n = min(tr, rows - r0)
-        q.dequant_rows(raw[r0:r0 + n], tile[:n])
-        np.matmul(X, tile[:n].T, out=Y[:, r0:r0 + n])
+    # Tiles are dequantized on this thread alone: numba's OpenMP workers busy-wait after a
+    # parallel region and would keep OpenBLAS's threads off the cores (measured 15x slower).
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        for r0 in range(0, rows, tr):
+            n = min(tr, rows - r0)
+            q.dequant_rows(raw[r0:r0 + n], tile[:n])
+            np.matmul(X, tile[:n].T, out=Y[:, r0:r0 + n])
+    finally:
+        numba.set_num_threads(threads)
 
 
 QUANTIZABLE = (T.Q8_0, T.Q4_0)
