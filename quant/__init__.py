@@ -22,8 +22,7 @@ def qtype(type_id: int) -> QType:
     if q is None:
         name = T(type_id).name if type_id in T._value2member_map_ else str(type_id)
         raise UnsupportedType(f"tensor type {name} is not supported (numbat runs "
-                              f"{', '.join(q.name for q in QTYPES.values())}); requantize the model, "
-                              f"for example to Q8_0 with `numbat quantize`")
+                              f"{', '.join(q.name for q in QTYPES.values())}); use a file quantized to one of those")
     return q
 
 

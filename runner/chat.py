@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from runner.generate import Done, Notice, Token, generate
+from runner.generate import ContextError, Done, Notice, Token, check_fits, generate
 
 
 class ChatSession:
@@ -34,9 +34,12 @@ class ChatSession:
         """Yields (text piece, notice) pairs while the reply streams."""
         self.messages.append({"role": "user", "content": text})
         ids = self.m.template.encode(self.m.tokenizer, self.messages)
-        k = 0
-        while k < min(len(ids), len(self.fed)) and ids[k] == self.fed[k]:
-            k += 1
+        try:
+            check_fits(len(ids) - self._cached_prefix(ids), self.cache)
+        except ContextError:
+            self.messages.pop()     # the turn never happened
+            raise
+        k = self._cached_prefix(ids)
         if k < len(self.fed):
             self.cache.rollback(len(self.fed) - k)
             del self.fed[k:]
@@ -55,6 +58,12 @@ class ChatSession:
             elif isinstance(ev, Done):
                 self._finish("".join(parts), ev.tokens, ev.stats.as_dict())
         self._pending = None
+
+    def _cached_prefix(self, ids: list[int]) -> int:
+        k = 0
+        while k < min(len(ids), len(self.fed)) and ids[k] == self.fed[k]:
+            k += 1
+        return k
 
     def interrupted(self) -> None:
         """Ctrl-C mid-reply: keep what was said, and make the cache agree with ``fed``."""

