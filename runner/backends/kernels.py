@@ -90,10 +90,21 @@ def silu_mul(gate, up, out):
             out[i, j] = g / (np.float32(1) + np.float32(math.exp(-g))) * up[i, j]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+def _gelu_table() -> np.ndarray:
+    """GELU (tanh form, float32) of every f16 value, rounded to f16: ggml's GGML_GELU_FP16 table."""
+    x = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        g = np.float32(0.5) * x * (np.float32(1) + np.tanh(np.float32(0.7978845608028654) * x
+                                                            * (np.float32(1) + np.float32(0.044715) * x * x)))
+    return g.astype(np.float16).astype(np.float32)
+
+
+GELU_F16 = _gelu_table()
+
+
 def gelu_tanh_mul(gate, up, out):
-    c = np.float32(math.sqrt(2.0 / math.pi))
-    for i in prange(gate.shape[0]):
-        for j in range(gate.shape[1]):
-            g = gate[i, j]
-            out[i, j] = np.float32(0.5) * g * (np.float32(1) + np.float32(math.tanh(c * (g + np.float32(0.044715) * g * g * g)))) * up[i, j]
+    """out = gelu(gate) * up as llama.cpp computes it: the gate rounded to f16 and looked up
+    in the f16 GELU table, except below -10 (0) and above 10 (identity)."""
+    v = GELU_F16[gate.astype(np.float16).view(np.uint16)]
+    v = np.where(gate <= -10, np.float32(0), np.where(gate >= 10, gate, v))
+    np.multiply(v, up, out=out)

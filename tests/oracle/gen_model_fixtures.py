@@ -1,0 +1,155 @@
+"""Write the model fixtures from llama.cpp (the oracle):
+
+- tests/fixtures/model_<name>.json for each real catalog model: llama.cpp's ids of
+  ppl_text.txt (add_bos as the model says), its perplexity at ctx 512 and top-1 id at
+  every scored position, and greedy continuations (chosen id and top-1/top-2 logit gap
+  per step) of a few raw prompts;
+- tests/fixtures/model_tiny_<arch>.npz for tiny random-weight models written by
+  gguf_io.testing.write_tiny_model: llama.cpp's logits for every position of a fixed id
+  sequence, per weight type. The writer's arguments are stored with them, so the test
+  rebuilds the very same files.
+
+Dev-only (needs llama-cpp-python==0.3.36). Run from the repo root:
+    python tests/oracle/gen_model_fixtures.py [--real-only | --tiny-only]
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from gguf import GGMLQuantizationType  # noqa: E402
+
+from gguf_io.testing import write_tiny_model  # noqa: E402
+from models.catalog import fetch  # noqa: E402
+
+FIXTURES = ROOT / "tests" / "fixtures"
+N_CTX = 512
+N_GREEDY = 64
+REAL = {"qwen2.5-coder:0.5b": "model_qwen2.5-coder-0.5b.json",
+        "qwen2.5-coder:1.5b": "model_qwen2.5-coder-1.5b.json",
+        "gemma3:270m": "model_gemma3-270m.json"}
+PROMPTS = ["def quicksort(arr):",
+           "#include <stdio.h>\n\nint main(int argc, char **argv) {\n",
+           "The history of the Roman Empire",
+           "Once upon a time, in a small village by the sea,"]
+
+# Tiny models: writer arguments per arch and the weight types to store. gemma3 has 6 layers
+# so that layer 5 is global (llama.cpp's pattern: every 6th) and the rest slide over 8
+# tokens, shorter than the sequence; qwen3 and gemma3 have head_dim != n_embd / n_head.
+TINY = {
+    "llama": (dict(arch="llama", seed=11), ["F32", "F16", "Q8_0", "Q4_0"]),
+    "qwen2": (dict(arch="qwen2", seed=12, tied_output=True), ["F32", "Q8_0"]),
+    "qwen3": (dict(arch="qwen3", seed=13, head_dim=32), ["F32", "Q8_0"]),
+    "gemma3": (dict(arch="gemma3", seed=14, n_layer=6, head_dim=32, sliding_window=8, tied_output=True),
+               ["F32", "Q8_0"]),
+}
+TINY_LEN = 24
+
+
+def log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    lg = logits.astype(np.float64)
+    m = lg.max(axis=1, keepdims=True)
+    return lg[np.arange(len(targets)), targets] - (m[:, 0] + np.log(np.exp(lg - m).sum(axis=1)))
+
+
+def oracle_perplexity(llm, ids: list[int], add_bos: bool, bos: int) -> dict:
+    """tools/perplexity's method: chunks of N_CTX from a fresh state, BOS replaces the first
+    token when the model adds one, the second half of each chunk is scored."""
+    first = N_CTX // 2
+    nlls, tops = [], []
+    for c in range(len(ids) // N_CTX):
+        chunk = list(ids[c * N_CTX:(c + 1) * N_CTX])
+        if add_bos:
+            chunk[0] = bos
+        llm.reset()   # n_tokens = 0: eval() then clears the whole KV cache
+        llm.eval(chunk)
+        scored = np.asarray(llm.scores[first:N_CTX - 1])
+        targets = np.asarray(ids[c * N_CTX + first + 1:(c + 1) * N_CTX])
+        nlls.append(-log_softmax_at(scored, targets))
+        tops.append(scored.argmax(axis=1))
+        print(f"  chunk {c + 1}: ppl so far {math.exp(np.concatenate(nlls).mean()):.4f}", flush=True)
+    nll = np.concatenate(nlls)
+    mean, var = nll.mean(), (nll ** 2).mean() - nll.mean() ** 2
+    ppl = math.exp(mean)
+    return {"n_ctx": N_CTX, "ppl": ppl, "error": math.sqrt(var / (len(nll) - 1)) * ppl,
+            "n_scored": len(nll), "top1": np.concatenate(tops).tolist()}
+
+
+def oracle_greedy(llm, prompt_ids: list[int]) -> dict:
+    """Prefill the prompt as one batch, then one token per eval, as llama.cpp generation does."""
+    llm.reset()
+    llm.eval(prompt_ids)
+    chosen, gaps = [], []
+    for _ in range(N_GREEDY):
+        row = np.asarray(llm.scores[llm.n_tokens - 1])
+        top2 = np.sort(np.partition(row, -2)[-2:])
+        chosen.append(int(row.argmax()))
+        gaps.append(round(float(top2[1] - top2[0]), 4))
+        llm.eval([chosen[-1]])
+    return {"prompt_ids": prompt_ids, "ids": chosen, "gaps": gaps}
+
+
+def real_fixtures() -> None:
+    text = (FIXTURES / "ppl_text.txt").read_text(encoding="utf-8")
+    for name, filename in REAL.items():
+        print(name, flush=True)
+        llm = llama_cpp.Llama(model_path=str(fetch(name)), n_ctx=N_CTX, n_threads=2, logits_all=True,
+                              verbose=False)
+        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        add_bos = bool(llama_cpp.llama_vocab_get_add_bos(vocab))
+        bos = int(llama_cpp.llama_vocab_bos(vocab))
+        ids = llm.tokenize(text.encode(), add_bos=add_bos, special=False)
+        fixture = {
+            "model": name,
+            "oracle": f"llama-cpp-python {llama_cpp.__version__}",
+            "add_bos": add_bos,
+            "text_ids": ids,
+            "perplexity": oracle_perplexity(llm, ids, add_bos, bos),
+            "greedy": [{"prompt": p, **oracle_greedy(llm, llm.tokenize(p.encode(), add_bos=add_bos, special=False))}
+                       for p in PROMPTS],
+        }
+        print(f"  ppl {fixture['perplexity']['ppl']:.4f}", flush=True)
+        out = FIXTURES / filename
+        body = json.dumps(fixture, ensure_ascii=False, indent=1)
+        body = re.sub(r"(?<=[\[,])\n\s+(?=-?\d)|(?<=\d)\n\s+(?=\])", "", body)   # number lists on one line
+        out.write_text(body + "\n", encoding="utf-8")
+        print(f"wrote {out} ({out.stat().st_size} bytes)", flush=True)
+        del llm
+
+
+def tiny_ids(seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [1] + rng.integers(3, 384, TINY_LEN - 1).tolist()   # BOS, then anything but controls
+
+
+def tiny_fixtures() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch, (kw, types) in TINY.items():
+            ids = tiny_ids(kw["seed"])
+            arrays = {"ids": np.asarray(ids, np.int32), "kwargs": np.asarray(json.dumps(kw))}
+            for t in types:
+                path = write_tiny_model(Path(tmp) / f"{arch}-{t}.gguf", weight_type=GGMLQuantizationType[t], **kw)
+                llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, logits_all=True, verbose=False)
+                llm.eval(ids)
+                arrays[t] = np.asarray(llm.scores[:len(ids)], np.float32).copy()
+                del llm
+            out = FIXTURES / f"model_tiny_{arch}.npz"
+            np.savez_compressed(out, **arrays)
+            print(f"wrote {out} ({out.stat().st_size} bytes)", flush=True)
+
+
+if __name__ == "__main__":
+    if "--real-only" not in sys.argv:
+        tiny_fixtures()
+    if "--tiny-only" not in sys.argv:
+        real_fixtures()
