@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import quant  # first: it sets the OpenMP wait policy before numba starts its threads
 from gguf_io import GGUFError, GGUFFile, open_gguf
 from gguf_io.config import ModelConfig, config_from_gguf
 from models import catalog
@@ -69,7 +70,6 @@ def load(model: str, progress: catalog.Progress | None = None, threads: int | No
         import numba
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     from runner.backends.numba_cpu import NumbaCPU
-    import quant
     try:
         backend = NumbaCPU(f, cfg)
     except (quant.UnsupportedType, GGUFError) as e:

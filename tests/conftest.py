@@ -2,6 +2,8 @@ import os
 
 import numpy as np
 import pytest
+
+import quant  # noqa: F401  (sets the OpenMP wait policy before numba starts its threads)
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
