@@ -24,15 +24,18 @@ def rms_norm(x, w, eps, out):
 
 
 @njit(parallel=True, cache=True)
-def rope(x, positions, inv_freq, neox):
+def rope(x, positions, theta_scale, freq_scale, freq_factors, neox):
     """Rotate x (n_tok, n_heads, head_dim) in place. neox: pairs (i, i + d/2); else (2i, 2i+1).
-    Only the first 2*len(inv_freq) dims rotate."""
-    half = inv_freq.shape[0]
+    Angles as ggml computes them, in float32: theta starts at the position and is multiplied
+    by theta_scale once per pair; cos/sin of theta / factor * freq_scale. Only the first
+    2*len(freq_factors) dims rotate."""
+    half = freq_factors.shape[0]
     for t in prange(x.shape[0]):
-        p = positions[t]
+        theta = np.float32(positions[t])
         for i in range(half):
-            theta = p * inv_freq[i]
-            c, s = np.float32(math.cos(theta)), np.float32(math.sin(theta))
+            ang = theta / freq_factors[i] * freq_scale
+            c, s = np.float32(math.cos(ang)), np.float32(math.sin(ang))
+            theta = theta * theta_scale
             a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
             for h in range(x.shape[1]):
                 x0, x1 = x[t, h, a], x[t, h, b]

@@ -47,7 +47,7 @@ class Layer:
     k_norm: np.ndarray | None = None
     post_attn_norm: np.ndarray | None = None
     post_ffn_norm: np.ndarray | None = None
-    inv_freq: np.ndarray | None = None
+    theta_scale: np.float32 = np.float32(1)   # ggml's powf(base, -2/n_dims), per layer
     window: int = 0
 
 
@@ -71,14 +71,15 @@ class NumbaCPU:
             t = f.tensors[name]
             return Linear(t.type_id, f.raw(name), t.dims[0], t.dims[1], vec(bias) if bias else None)
 
+        # llama 3 files carry per-pair rope frequency divisors
         freq_factors = vec("rope_freqs.weight")
+        self.freq_factors = freq_factors if freq_factors is not None else np.ones(cfg.rope_dim // 2, np.float32)
+        self.freq_scale = np.float32(1.0 / cfg.rope_scale)
         self.layers = []
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
             b = (lambda n: p + n + ".bias") if cfg.qkv_bias else (lambda n: None)
-            inv = 1.0 / cfg.rope_base_for(i) ** (np.arange(0, cfg.rope_dim, 2) / cfg.rope_dim) / cfg.rope_scale
-            if freq_factors is not None:
-                inv = inv / freq_factors
+            theta_scale = np.float32(cfg.rope_base_for(i)) ** np.float32(-2.0 / cfg.rope_dim)
             self.layers.append(Layer(
                 attn_norm=vec(p + "attn_norm.weight"), wq=lin(p + "attn_q.weight", b("attn_q")),
                 wk=lin(p + "attn_k.weight", b("attn_k")), wv=lin(p + "attn_v.weight", b("attn_v")),
@@ -86,7 +87,7 @@ class NumbaCPU:
                 gate=lin(p + "ffn_gate.weight"), up=lin(p + "ffn_up.weight"), down=lin(p + "ffn_down.weight"),
                 q_norm=vec(p + "attn_q_norm.weight"), k_norm=vec(p + "attn_k_norm.weight"),
                 post_attn_norm=vec(p + "post_attention_norm.weight"), post_ffn_norm=vec(p + "post_ffw_norm.weight"),
-                inv_freq=inv.astype(np.float64), window=cfg.sliding_window if cfg.is_sliding(i) else 0))
+                theta_scale=theta_scale, window=cfg.sliding_window if cfg.is_sliding(i) else 0))
         self.embd = lin("token_embd.weight")
         self.output_norm = vec("output_norm.weight")
         self.output = self.embd if cfg.tied_output else lin("output.weight")
@@ -145,8 +146,8 @@ class NumbaCPU:
             if L.q_norm is not None:
                 K.rms_norm(q3.reshape(-1, hd), L.q_norm, c.norm_eps, q3.reshape(-1, hd))
                 K.rms_norm(k3.reshape(-1, hd), L.k_norm, c.norm_eps, k3.reshape(-1, hd))
-            K.rope(q3, positions, L.inv_freq, c.rope_neox)
-            K.rope(k3, positions, L.inv_freq, c.rope_neox)
+            K.rope(q3, positions, L.theta_scale, self.freq_scale, self.freq_factors, c.rope_neox)
+            K.rope(k3, positions, L.theta_scale, self.freq_scale, self.freq_factors, c.rope_neox)
             # the cache holds f16 values, as llama.cpp's default f16 cache does (see K.attention)
             lc.k[:, sl] = k3.transpose(1, 0, 2).astype(np.float16)
             lc.v[:, sl] = v.reshape(n, c.n_head_kv, hd).transpose(1, 0, 2).astype(np.float16)
