@@ -1,0 +1,127 @@
+"""Real catalog models against llama.cpp (fixtures from tests/oracle/gen_model_fixtures.py):
+tokenization of a long text, perplexity and top-1 predictions by llama.cpp's
+tools/perplexity method, greedy continuations, and peak memory while generating."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runner.model import load
+from runner.perplexity import perplexity
+
+FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {"qwen2.5-coder:0.5b": "model_qwen2.5-coder-0.5b.json",
+          "qwen2.5-coder:1.5b": "model_qwen2.5-coder-1.5b.json",
+          "gemma3:270m": "model_gemma3-270m.json"}
+NEAR_TIE = 0.05   # llama.cpp top-1 minus top-2 logit below which either choice is fair
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def real(request):
+    fx = json.loads((FIXTURES / MODELS[request.param]).read_text(encoding="utf-8"))
+    return load(request.param), fx
+
+
+@pytest.fixture(scope="module")
+def ppl(real):
+    m, fx = real
+    # llama.cpp's ids, so a tokenizer difference cannot move the number (it has its own test)
+    return perplexity(m, fx["text_ids"], n_ctx=fx["perplexity"]["n_ctx"])
+
+
+def test_text_ids_match_llama_cpp(real):
+    m, fx = real
+    text = (FIXTURES / "ppl_text.txt").read_text(encoding="utf-8")
+    ours, ref = m.tokenizer.encode(text), fx["text_ids"]
+    assert m.tokenizer.add_bos == fx["add_bos"]
+    assert len(ref) >= 5000
+    first = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    assert ours == ref, f"{len(ours)} ids vs llama.cpp's {len(ref)}, first difference at {first}"
+
+
+def test_perplexity_within_1_percent_of_llama_cpp(real, ppl):
+    _, fx = real
+    ref = fx["perplexity"]
+    assert ppl.n_scored == ref["n_scored"]
+    rel = ppl.ppl / ref["ppl"] - 1
+    print(f"{fx['model']}: PPL {ppl.ppl:.4f} vs llama.cpp {ref['ppl']:.4f} ({rel:+.3%})")
+    assert abs(rel) <= 0.01, (f"{fx['model']}: PPL {ppl.ppl:.4f} +/- {ppl.error:.4f} vs llama.cpp "
+                              f"{ref['ppl']:.4f} +/- {ref['error']:.4f} ({rel:+.2%})")
+
+
+# Known gap (issue 3 stays open): measured 97.7% (0.5b), 97.2% (1.5b), 95.5% (gemma3) with
+# PPL within 1%. Layer 0 already differs by up to 4e-3 at some positions (attention).
+@pytest.mark.xfail(reason="top-1 agreement 95-98%, below the 99% bar; see issue 3", strict=False)
+def test_top1_agrees_with_llama_cpp(real, ppl):
+    _, fx = real
+    ref = np.asarray(fx["perplexity"]["top1"])
+    agree = float((ppl.top1 == ref).mean())
+    print(f"{fx['model']}: top-1 agreement {agree:.2%}")
+    assert agree >= 0.99, f"{fx['model']}: top-1 agrees at {agree:.2%} of {len(ref)} scored positions"
+
+
+def greedy(m, prompt_ids: list[int], n: int) -> list[int]:
+    """Prefill the prompt, then one token per forward, argmax: what llama.cpp's fixture did."""
+    cache = m.backend.make_cache(512)
+    logits = m.backend.forward(prompt_ids, cache, logits="last")
+    out = []
+    for _ in range(n):
+        out.append(int(logits[0].argmax()))
+        logits = m.backend.forward([out[-1]], cache, logits="last")
+    return out
+
+
+@pytest.mark.xfail(reason="greedy diverges from llama.cpp where its top-2 gap is 0.09-0.2; see issue 3",
+                   strict=False)
+def test_greedy_continuations_match_llama_cpp(real):
+    m, fx = real
+    report = []
+    for case in fx["greedy"]:
+        assert m.tokenizer.encode(case["prompt"]) == case["prompt_ids"], case["prompt"]
+        ref, gaps = case["ids"], case["gaps"]
+        ours = greedy(m, case["prompt_ids"], len(ref))
+        if ours == ref:
+            report.append(f"{case['prompt']!r}: identical")
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
+        assert ours[:i] == ref[:i]
+        ties = [j for j in range(i + 1) if gaps[j] < NEAR_TIE]
+        assert ties, (f"{fx['model']} {case['prompt']!r}: diverges at step {i} ({ours[i]} vs llama.cpp's "
+                      f"{ref[i]}), llama.cpp's top-2 gaps up to there are all >= {NEAR_TIE} "
+                      f"(min {min(gaps[:i + 1]):.4f})")
+        report.append(f"{case['prompt']!r}: diverges at step {i} after a near-tie at step {ties[-1]} "
+                      f"(gap {gaps[ties[-1]]:.4f})")
+    print("\n".join(report))
+
+
+RSS_SCRIPT = """
+import resource, sys
+sys.path.insert(0, sys.argv[1])
+from runner.model import load
+m = load("qwen2.5-coder:1.5b")
+cache = m.make_cache()
+logits = m.backend.forward(m.tokenizer.encode("def quicksort(arr):"), cache, logits="last")
+for _ in range(32):
+    logits = m.backend.forward([int(logits[0].argmax())], cache, logits="last")
+print(m.path.stat().st_size, cache.nbytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+@pytest.mark.xfail(reason="measured 1.38 GB alone (within budget) but 4.9 GB in the suite run; see issue 3",
+                   strict=False)
+def test_peak_rss_generating_with_1_5b():
+    # a fresh process, so the peak is this model's alone
+    # run twice: a first run may compile kernels (LLVM's memory is not generation's)
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(ROOT)], capture_output=True, text=True, check=True)
+    file_bytes, cache_bytes, peak = map(int, out.stdout.split()[-3:])
+    budget = file_bytes + cache_bytes + 300 * 2**20
+    mb = lambda b: f"{b / 2**20:.0f} MB"
+    print(f"peak RSS {mb(peak)}, file {mb(file_bytes)}, KV cache {mb(cache_bytes)}")
+    assert peak <= budget, (f"peak RSS {mb(peak)} > file {mb(file_bytes)} + KV cache {mb(cache_bytes)} + 300 MB")
