@@ -115,10 +115,7 @@ def scratch(kind: str, n: int):
     key = (kind, n)
     buf = _scratch.get(key)
     if buf is None:
-        if kind == "q8_K":
-            buf = (np.empty(n, np.int8), np.empty(n // 256, np.float32), np.empty(n // 16, np.int32))
-        else:
-            buf = (np.empty(n, np.int16), np.empty(n // 32, np.float32), np.empty(n // 32, np.float32),
-                   np.empty(n // 32, np.int32))
+        buf = (np.empty(n, np.int16), np.empty(n // 32, np.float32), np.empty(n // 32, np.float32),
+               np.empty(n // 32, np.int32))
         _scratch[key] = buf
     return buf
