@@ -15,6 +15,12 @@ from runner.backends import kernels as K
 from runner.kv_cache import KVCache
 
 
+# Batches up to this size run one matvec per token: bit-identical to decoding them one by one
+# (speculative verification needs that for exact greedy) and faster than dequantizing every
+# weight tile for a few tokens.
+SMALL_BATCH = 16
+
+
 @dataclass
 class Linear:
     type_id: int
@@ -24,8 +30,9 @@ class Linear:
     bias: np.ndarray | None = None
 
     def __call__(self, X: np.ndarray, Y: np.ndarray) -> None:
-        if X.shape[0] == 1:
-            quant.matvec(self.type_id, self.raw, X[0], Y[0])
+        if X.shape[0] <= SMALL_BATCH:
+            for i in range(X.shape[0]):
+                quant.matvec(self.type_id, self.raw, X[i], Y[i])
         else:
             quant.matmul(self.type_id, self.raw, X, Y)
         if self.bias is not None:
