@@ -1,87 +1,105 @@
-"""llama.cpp and numbat on the same GGUF, same threads, one run: pp512 and tg128 tok/s, their
-ratios, and the decode roofline (weight bytes read per token / measured read bandwidth).
+"""llama.cpp and numbat on the same GGUF, same threads, one command: pp512 and tg128 tok/s,
+their ratios, and the decode roofline (weight bytes read per token / measured read bandwidth).
 
     pip install -e ".[dev]"          # llama-cpp-python, the oracle (compiles for minutes)
     python bench/compare.py qwen2.5-coder:0.5b [more models or .gguf paths] [-t 2] [-r 3]
+    python bench/compare.py qwen2.5-coder:0.5b@Q8_0 qwen2.5-coder:0.5b@Q4_0
 
-Both engines see the same random token ids, as llama-bench uses. Medians of -r runs after a
-warm-up; the two engines alternate run by run so drifts in the machine hit both alike.
+MODEL@TYPE is MODEL requantized to TYPE (Q8_0, Q4_0) by llama.cpp's own quantizer, made once
+into NUMBAT_HOME/bench/.
+
+Each engine runs in its own process started with the caller's environment: numbat sets
+OpenMP wait defaults when it loads (quant/__init__.py) and llama.cpp links the same libgomp,
+so sharing a process would impose numbat's choice on llama.cpp. Both see the same random
+token ids, as llama-bench uses. Medians of -r runs after a warm-up; the engines alternate
+-a rounds per model so drifts in the machine hit both alike.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ)          # before anything of ours sets OpenMP defaults
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed: int) -> dict:
+    """Runs in the child: warm up, then reps of pp and tg; tok/s lists as JSON."""
+    import time
+
+    import numpy as np
+    if engine == "llama.cpp":
+        import llama_cpp
+        llm = llama_cpp.Llama(model_path=path, n_ctx=p + n + 8, n_batch=512, n_ubatch=512,
+                              n_threads=threads, n_threads_batch=threads, verbose=False)
+        vocab = llm.n_vocab()
+
+        def pp(ids):
+            llm.reset()
+            llm.eval(ids)
+
+        def tg(ids):
+            llm.reset()
+            for i in ids:
+                llm.eval([i])
+    else:
+        sys.path.insert(0, str(ROOT))
+        import numba
+
+        from runner.model import load
+        numba.set_num_threads(threads)
+        m = load(path)
+        cache = m.backend.make_cache(p + n + 8)
+        vocab = m.tokenizer.vocab_size
+
+        def pp(ids):
+            cache.reset()
+            m.backend.forward(ids, cache)
+
+        def tg(ids):
+            cache.reset()
+            for i in ids:
+                m.backend.forward([i], cache)
+    rng = np.random.default_rng(seed)
+    out = {}
+    for test, k, f in (("pp", p, pp), ("tg", n, tg)):
+        rates = []
+        for rep in range(reps + 1):
+            ids = rng.integers(0, vocab, k).tolist()
+            t = time.perf_counter()
+            f(ids)
+            if rep:      # rep 0 warms up
+                rates.append(k / (time.perf_counter() - t))
+        out[f"{test}{k}"] = rates
+    return out
+
+
+def run_worker(engine, path, a) -> dict:
+    cmd = [sys.executable, __file__, "--worker", engine, str(path), "-t", str(a.threads),
+           "-p", str(a.p), "-n", str(a.n), "-r", str(a.reps)]
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"{engine} on {path} failed:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def read_bandwidth(threads: int) -> float:
-    """GB/s of a parallel sum over 1 GiB, the ceiling for decode."""
-    import numba
-    from numba import njit, prange
-
-    @njit(parallel=True)
-    def total(a):
-        s = 0.0
-        for i in prange(a.shape[0]):
-            s += a[i]
-        return s
-    numba.set_num_threads(threads)
-    a = np.ones(1 << 27, np.float64)
-    total(a)
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        total(a)
-        ts.append(time.perf_counter() - t)
-    return a.nbytes / statistics.median(ts) / 1e9
-
-
-class Llama:
-    name = "llama.cpp"
-
-    def __init__(self, path, threads, n_ctx):
-        import llama_cpp
-        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512,
-                                   n_threads=threads, n_threads_batch=threads, verbose=False)
-
-    def pp(self, ids):
-        self.llm.reset()
-        self.llm.eval(ids)
-
-    def tg(self, ids):
-        self.llm.reset()
-        for i in ids:
-            self.llm.eval([i])
-
-
-class Numbat:
-    name = "numbat"
-
-    def __init__(self, path, threads, n_ctx):
-        import numba
-        from runner.model import load
-        numba.set_num_threads(threads)
-        self.m = load(str(path))
-        self.cache = self.m.backend.make_cache(n_ctx)
-
-    def pp(self, ids):
-        self.cache.reset()
-        self.m.backend.forward(ids, self.cache)
-
-    def tg(self, ids):
-        self.cache.reset()
-        for i in ids:
-            self.m.backend.forward([i], self.cache)
+    """Median GB/s of bench/kernels.py's parallel vectorized sum over 1 GiB, in a child with
+    the same thread count."""
+    code = ("import sys, numba; sys.path.insert(0, %r); numba.set_num_threads(%d); "
+            "from bench.kernels import read_bandwidth; print(read_bandwidth(7)[0])" % (str(ROOT), threads))
+    r = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, check=True)
+    return float(r.stdout.strip().splitlines()[-1])
 
 
 def decode_bytes(path) -> int:
     """Weight bytes one decode step reads: every matrix once, the embedding one row."""
+    sys.path.insert(0, str(ROOT))
     from gguf_io import open_gguf
     f = open_gguf(path)
     total = sum(t.nbytes for n, t in f.tensors.items() if n != "token_embd.weight")
@@ -90,37 +108,56 @@ def decode_bytes(path) -> int:
     return total
 
 
+def requantized(model: str) -> Path:
+    """MODEL@TYPE -> the GGUF requantized by llama_model_quantize (cached)."""
+    from runner.model import resolve
+    name, _, qtype = model.partition("@")
+    src = resolve(name)
+    out = Path(os.environ.get("NUMBAT_HOME", Path.home() / ".cache" / "numbat")) / "bench" / f"{src.stem}-{qtype}.gguf"
+    if not out.exists():
+        import llama_cpp
+        ftype = {"Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "Q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0}[qtype]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize = ftype, True
+        tmp = out.with_suffix(".part")
+        if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
+            sys.exit(f"requantizing {src} to {qtype} failed")
+        tmp.rename(out)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("models", nargs="+")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-r", "--reps", type=int, default=3)
+    ap.add_argument("-a", "--alternations", type=int, default=2)
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.worker:
+        print(json.dumps(worker(a.worker, a.models[0], a.threads, a.p, a.n, a.reps, os.getpid())))
+        return
+    sys.path.insert(0, str(ROOT))
     from runner.model import resolve
     bw = read_bandwidth(a.threads)
     print(f"read bandwidth ({a.threads} threads): {bw:.1f} GB/s\n")
     print("| model | test | llama.cpp tok/s | numbat tok/s | numbat / llama.cpp | roofline tok/s | numbat / roofline |")
     print("|---|---|---|---|---|---|---|")
-    rng = np.random.default_rng(0)
     for model in a.models:
-        path = resolve(model)
-        engines = [Llama(path, a.threads, a.p + a.n + 8), Numbat(path, a.threads, a.p + a.n + 8)]
-        vocab = engines[1].m.tokenizer.vocab_size
+        path = requantized(model) if "@" in model else resolve(model)
+        rates = {"llama.cpp": {}, "numbat": {}}
+        for _ in range(a.alternations):
+            for engine in rates:
+                for test, r in run_worker(engine, path, a).items():
+                    rates[engine].setdefault(test, []).extend(r)
         roof = bw * 1e9 / decode_bytes(path)
-        for test, n in (("pp", a.p), ("tg", a.n)):
-            rates = {e.name: [] for e in engines}
-            for rep in range(a.reps + 1):
-                ids = rng.integers(0, vocab, n).tolist()
-                for e in engines:
-                    t = time.perf_counter()
-                    getattr(e, test)(ids)
-                    if rep:      # rep 0 warms up
-                        rates[e.name].append(n / (time.perf_counter() - t))
-            ll, nb = statistics.median(rates["llama.cpp"]), statistics.median(rates["numbat"])
-            extra = f"{roof:.1f} | {nb / roof:.2f}" if test == "tg" else "- | -"
-            print(f"| {model} | {test}{n} | {ll:.1f} | {nb:.1f} | {nb / ll:.2f} | {extra} |", flush=True)
+        for test in (f"pp{a.p}", f"tg{a.n}"):
+            ll, nb = statistics.median(rates["llama.cpp"][test]), statistics.median(rates["numbat"][test])
+            extra = f"{roof:.1f} | {nb / roof:.2f}" if test.startswith("tg") else "- | -"
+            print(f"| {model} | {test} | {ll:.1f} | {nb:.1f} | {nb / ll:.2f} | {extra} |", flush=True)
 
 
 if __name__ == "__main__":

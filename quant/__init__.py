@@ -49,7 +49,7 @@ def matvec(type_id: int, raw: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
 # Prefill: dequantize a tile of rows into a reused buffer that stays in cache, then let BLAS
 # multiply it with all activation vectors at once (see BENCHMARKS.md for the rate). The
 # activations are first rounded as llama.cpp's integer kernels round them (act_roundtrip).
-_TILE_BYTES = 1 << 20
+_TILE_BYTES = 4 << 20
 _tiles: dict[tuple[int, int], np.ndarray] = {}
 
 
@@ -60,30 +60,31 @@ def _buffer(key, shape) -> np.ndarray:
     return buf[:shape[0]]
 
 
-def matmul(type_id: int, raw: np.ndarray, X: np.ndarray, Y: np.ndarray) -> None:
-    """Y (n, rows) = X (n, cols) @ W.T for W given as raw blocks (rows, row_bytes)."""
+def matmul(type_id: int, raw: np.ndarray, X: np.ndarray, Y: np.ndarray, rounded: dict | None = None) -> None:
+    """Y (n, rows) = X (n, cols) @ W.T for W given as raw blocks (rows, row_bytes).
+    ``rounded``: a dict the caller keeps while X is unchanged, so weights that share X (Q, K
+    and V; gate and up) round it once per kind."""
     q = qtype(type_id)
     rows, cols = raw.shape[0], X.shape[1]
     if type_id == T.F32:
         np.matmul(X, raw.view(np.float32).T, out=Y)
         return
     if q.act_roundtrip is not None:
-        Xr = _buffer(("act", cols), X.shape)
-        q.act_roundtrip(X, Xr)
+        Xr = rounded.get(q.act_roundtrip) if rounded is not None else None
+        if Xr is None:
+            Xr = _buffer(("act", q.act_roundtrip, cols), X.shape)
+            q.act_roundtrip(X, Xr)
+            if rounded is not None:
+                rounded[q.act_roundtrip] = Xr
         X = Xr
     tr = max(16, min(rows, _TILE_BYTES // (4 * cols)))
     tile = _buffer(("tile", tr, cols), (tr, cols))
     # Tiles are dequantized on this thread alone: numba's OpenMP workers busy-wait after a
     # parallel region and would keep OpenBLAS's threads off the cores (measured 15x slower).
-    threads = numba.get_num_threads()
-    numba.set_num_threads(1)
-    try:
-        for r0 in range(0, rows, tr):
-            n = min(tr, rows - r0)
-            q.dequant_rows(raw[r0:r0 + n], tile[:n])
-            np.matmul(X, tile[:n].T, out=Y[:, r0:r0 + n])
-    finally:
-        numba.set_num_threads(threads)
+    for r0 in range(0, rows, tr):
+        n = min(tr, rows - r0)
+        q.dequant_rows(raw[r0:r0 + n], tile[:n])
+        np.matmul(X, tile[:n].T, out=Y[:, r0:r0 + n])
 
 
 QUANTIZABLE = (T.Q8_0, T.Q4_0)

@@ -95,16 +95,19 @@ def test_rollback_then_rerun_gives_the_same_logits(tiny):
 
 def test_sliding_layers_cache_only_window_plus_chunk(tiny_gemma):
     m = tiny_gemma
-    cache = m.backend.make_cache(400)   # past the tiny training context on purpose
+    n_ctx = max(L.window for L in m.backend.layers) + m.backend.chunk + 88   # past the tiny training context
+    cache = m.backend.make_cache(n_ctx)
     for L, lc in zip(m.backend.layers, cache.layers):
-        assert lc.cap == (L.window + m.backend.chunk if L.window else 400)
+        assert lc.cap == (L.window + m.backend.chunk if L.window else n_ctx)
 
 
+@pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("window", [0, 3])
-def test_attention_kernel_masks_by_position_and_window(window):
+def test_attention_kernel_masks_by_position_and_window(window, batched):
     """Against numpy: causal softmax attention with GQA over the slots' positions, the
-    weights rounded to f16 before they meet v, as the kernel (and llama.cpp) does."""
-    from runner.backends.kernels import attention
+    weights rounded to f16 before they meet v, as the kernels (and llama.cpp) do. Decode's
+    per-query kernel and prefill's BLAS one alike."""
+    from runner.backends.kernels import attention, attention_batched
     rng = np.random.default_rng(0)
     n_tok, n_head, n_kv, d, cap = 4, 4, 2, 8, 10
     q = rng.standard_normal((n_tok, n_head, d)).astype(np.float16).astype(np.float32)
@@ -113,7 +116,10 @@ def test_attention_kernel_masks_by_position_and_window(window):
     kpos = np.array([6, 7, 8, 9, 0, 1, 2, 3, 4, 5])          # a wrapped ring
     qpos = np.array([6, 7, 8, 9])
     out = np.zeros((n_tok, n_head, d), np.float32)
-    attention(q, qpos, k, v, kpos, cap, window, np.float32(d ** -0.5), out, np.zeros((8, cap), np.float32))
+    if batched:
+        attention_batched(q, qpos, k, v, kpos, cap, window, np.float32(d ** -0.5), out, np.zeros(n_tok * 2 * cap, np.float32))
+    else:
+        attention(q, qpos, k, v, kpos, cap, window, np.float32(d ** -0.5), out, np.zeros((8, cap), np.float32))
     for t in range(n_tok):
         ok = (kpos <= qpos[t]) & ((qpos[t] - kpos < window) if window else True)
         for h in range(n_head):
@@ -123,6 +129,26 @@ def test_attention_kernel_masks_by_position_and_window(window):
             w = np.exp(s - s.max())
             w = (w / w.sum()).astype(np.float16).astype(np.float64)
             np.testing.assert_allclose(out[t, h], w @ v[g], rtol=1e-5, atol=1e-5)
+
+
+def test_exp_and_f16_rounding_kernels():
+    """expf follows exp to float32 accuracy (and gives 0 at -inf); f16_round_pos rounds as
+    numpy's float16 conversion does, subnormals and ties included."""
+    from numba import njit
+    from runner.backends.kernels import expf, f16_round_pos
+
+    @njit
+    def apply(x, e, r):
+        for i in range(x.shape[0]):
+            e[i], r[i] = expf(x[i]), f16_round_pos(-x[i])
+    rng = np.random.default_rng(0)
+    x = -np.concatenate([rng.uniform(0, 90, 20000), rng.uniform(0, 1e-4, 20000), [0, np.inf, 2.0 ** -25, 3 * 2.0 ** -25]]).astype(np.float32)
+    e, r = np.empty_like(x), np.empty_like(x)
+    apply(x, e, r)
+    ref = np.exp(x.astype(np.float64))
+    assert e[-3] == 0 and e[-4] == 1
+    np.testing.assert_allclose(e[:-4], ref[:-4], rtol=3e-7, atol=1e-38)
+    np.testing.assert_array_equal(r, (-x).astype(np.float16).astype(np.float32))
 
 
 # ---------------------------------------------------------------- generate

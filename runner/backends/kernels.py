@@ -7,7 +7,41 @@ import math
 import numpy as np
 from numba import get_thread_id, njit, prange
 
-from quant.act import f16_round
+from quant.intrin import bits_f32, f32_bits, fma32
+
+f32 = np.float32
+_C = [f32(float.fromhex(h)) for h in ("0x1.8p23", "0x1.715476p+0", "0x1.7f7d1cp-20", "0x1.62e4p-1", "0x1.0e4020p-7",
+                                      "0x1.573e2ep-5", "0x1.555e66p-3", "0x1.fffdb6p-2", "0x1.ffffecp-1")]
+_R, _LOG2E, _LN2LO, _LN2HI, _P5, _P4, _P3, _P2, _P1 = _C
+
+
+@njit(inline="always")
+def _pow2(k):
+    return bits_f32(np.int32((k + 127) << 23))      # 2**k for -126 <= k <= 127
+
+
+@njit(inline="always")
+def expf(x):
+    """exp(x) in float32 as ggml's vectorized softmax computes it (ggml_v_expf: Cody-Waite
+    reduction, degree-5 polynomial, scale by 2**n); branch-free, so loops of it vectorize."""
+    n = fma32(x, _LOG2E, _R) - _R
+    b = fma32(-n, _LN2LO, fma32(-n, _LN2HI, x))
+    u = b * b
+    j = fma32(fma32(fma32(_P5, b, _P4), u, fma32(_P3, b, _P2)), u, fma32(_P1, b, f32(1)))
+    ni = np.int32(max(min(n, f32(192)), f32(-192)))
+    h = ni >> 1
+    res = j * _pow2(h) * _pow2(ni - h)
+    return res if abs(n) <= 192 else (f32(0) if n <= 0 else f32(np.inf))
+
+
+@njit(inline="always")
+def f16_round_pos(x):
+    """The nearest float16 (ties to even) of a float32 x in [0, 65504], as float32: the
+    softmax weights llama.cpp converts to f16 before they meet V. Branch-free."""
+    sub = np.rint(x * f32(16777216)) * f32(1 / 16777216)      # below 2**-14: steps of 2**-24
+    b = f32_bits(x)
+    b = (b + np.int32(0xFFF) + ((b >> 13) & 1)) & np.int32(-8192)
+    return sub if x < f32(6.103515625e-05) else bits_f32(b)
 
 
 @njit(parallel=True, fastmath=False, cache=True)
@@ -72,7 +106,7 @@ def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch):
             mx = max(mx, acc)
         total = 0.0
         for s in range(n_slots):
-            e = np.float32(math.exp(sc[s] - mx)) if sc[s] != -np.inf else np.float32(0)
+            e = expf(sc[s] - mx) if sc[s] != -np.inf else np.float32(0)
             sc[s] = e
             total += e
         inv = np.float32(1.0 / total)
@@ -80,17 +114,57 @@ def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch):
             out[t, h, j] = 0
         for s in range(n_slots):
             if sc[s] > 0:
-                wgt = f16_round(sc[s] * inv)
+                wgt = f16_round_pos(sc[s] * inv)
                 for j in range(d):
                     out[t, h, j] += wgt * v[g, s, j]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, cache=True)
+def softmax_rows(S, group, qpos, kpos, window, scale):
+    """Rows of raw scores S (n_tok * group, n_slots), row r for query r // group, -> the f16
+    weights of attention(): scaled, masked by position and window, softmax, rounded.
+    The loops are branch-free so that they vectorize."""
+    win = window if window > 0 else np.iinfo(np.int64).max
+    for r in prange(S.shape[0]):
+        p1 = qpos[r // group]
+        row = S[r]
+        mx = f32(-np.inf)
+        for s in range(row.shape[0]):
+            p0 = kpos[s]
+            v = row[s] * scale if (p0 >= 0) & (p0 <= p1) & (p1 - p0 < win) else f32(-np.inf)
+            row[s] = v
+            mx = max(mx, v)
+        total = 0.0
+        for s in range(row.shape[0]):
+            e = expf(row[s] - mx)      # exp(-inf) = 0
+            row[s] = e
+            total += e
+        inv = f32(1.0 / total)
+        for s in range(row.shape[0]):
+            row[s] = f16_round_pos(row[s] * inv)
+
+
+def attention_batched(q, qpos, k, v, kpos, n_slots, window, scale, out, S):
+    """attention() for a prefill chunk: per kv head, the scores of all its query heads in one
+    BLAS product, softmax_rows, then one product with V. S: flat float32 scratch of at least
+    n_tok * group * n_slots. Sums run in BLAS's order, not attention()'s."""
+    n_tok, n_head, d = q.shape
+    group = n_head // k.shape[0]
+    m = n_tok * group
+    sc = S[:m * n_slots].reshape(m, n_slots)
+    for g in range(k.shape[0]):
+        heads = slice(g * group, (g + 1) * group)
+        np.matmul(q[:, heads].reshape(m, d), k[g, :n_slots].T, out=sc)
+        softmax_rows(sc, group, qpos, kpos[:n_slots], window, scale)
+        out[:, heads] = (sc @ v[g, :n_slots]).reshape(n_tok, group, d)
+
+
+@njit(parallel=True, cache=True)
 def silu_mul(gate, up, out):
     for i in prange(gate.shape[0]):
         for j in range(gate.shape[1]):
             g = gate[i, j]
-            out[i, j] = g / (np.float32(1) + np.float32(math.exp(-g))) * up[i, j]
+            out[i, j] = g / (f32(1) + expf(-g)) * up[i, j]     # ggml_v_silu
 
 
 def _gelu_table() -> np.ndarray:

@@ -29,12 +29,12 @@ class Linear:
     n_out: int
     bias: np.ndarray | None = None
 
-    def __call__(self, X: np.ndarray, Y: np.ndarray) -> None:
+    def __call__(self, X: np.ndarray, Y: np.ndarray, rounded: dict | None = None) -> None:
         if X.shape[0] <= SMALL_BATCH:
             for i in range(X.shape[0]):
                 quant.matvec(self.type_id, self.raw, X[i], Y[i])
         else:
-            quant.matmul(self.type_id, self.raw, X, Y)
+            quant.matmul(self.type_id, self.raw, X, Y, rounded)
         if self.bias is not None:
             Y += self.bias
 
@@ -61,7 +61,7 @@ class Layer:
 class NumbaCPU:
     name = "numba-cpu"
 
-    def __init__(self, f: GGUFFile, cfg: ModelConfig, chunk: int = 256):
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, chunk: int = 512):
         self.cfg, self.chunk = cfg, chunk
         for t in f.tensors.values():
             quant.qtype(t.type_id)   # unsupported types fail at load, with the type named
@@ -111,6 +111,7 @@ class NumbaCPU:
         self.logits1 = z(1, c.n_vocab)
         self.logits_all = None          # (chunk, vocab): allocated on first logits="all"
         self.scratch = None             # attention scores, sized by the cache
+        self.scores = None              # prefill's score matrix, sized by the cache
 
     def make_cache(self, n_ctx: int, n_keep: int = 0) -> KVCache:
         c = self.cfg
@@ -118,6 +119,7 @@ class NumbaCPU:
         cap = max(lc.cap for lc in cache.layers)
         if self.scratch is None or self.scratch.shape[1] < cap:
             self.scratch = np.zeros((numba.config.NUMBA_NUM_THREADS, cap), np.float32)
+            self.scores = np.zeros(self.chunk * (c.n_head // c.n_head_kv) * cap, np.float32)
         return cache
 
     def forward(self, tokens, cache: KVCache, logits: str = "last") -> np.ndarray:
@@ -146,9 +148,10 @@ class NumbaCPU:
             x *= np.float32(c.embed_scale)
         for L, lc, sl in zip(self.layers, cache.layers, slots):
             K.rms_norm(x, L.attn_norm, c.norm_eps, h)
-            L.wq(h, q)
-            L.wk(h, k)
-            L.wv(h, v)
+            hr = {}     # h rounded for the weights' kernels, once per kind
+            L.wq(h, q, hr)
+            L.wk(h, k, hr)
+            L.wv(h, v, hr)
             q3, k3 = q.reshape(n, c.n_head, hd), k.reshape(n, c.n_head_kv, hd)
             if L.q_norm is not None:
                 K.rms_norm(q3.reshape(-1, hd), L.q_norm, c.norm_eps, q3.reshape(-1, hd))
@@ -159,15 +162,20 @@ class NumbaCPU:
             lc.k[:, sl] = k3.transpose(1, 0, 2).astype(np.float16)
             lc.v[:, sl] = v.reshape(n, c.n_head_kv, hd).transpose(1, 0, 2).astype(np.float16)
             q3[...] = q3.astype(np.float16)
-            K.attention(q3, positions, lc.k, lc.v, lc.pos, lc.hi, L.window, np.float32(hd ** -0.5),
-                        attn.reshape(n, c.n_head, hd), self.scratch)
+            if n <= SMALL_BATCH:   # decode and verification: the same per-query kernel
+                K.attention(q3, positions, lc.k, lc.v, lc.pos, lc.hi, L.window, np.float32(hd ** -0.5),
+                            attn.reshape(n, c.n_head, hd), self.scratch)
+            else:
+                K.attention_batched(q3, positions, lc.k, lc.v, lc.pos, lc.hi, L.window, np.float32(hd ** -0.5),
+                                    attn.reshape(n, c.n_head, hd), self.scores)
             L.wo(attn, o)
             if L.post_attn_norm is not None:
                 K.rms_norm(o, L.post_attn_norm, c.norm_eps, o)
             x += o
             K.rms_norm(x, L.ffn_norm, c.norm_eps, h)
-            L.gate(h, g)
-            L.up(h, u)
+            hr = {}
+            L.gate(h, g, hr)
+            L.up(h, u, hr)
             (K.gelu_tanh_mul if c.act == "gelu_tanh" else K.silu_mul)(g, u, g)
             L.down(g, o)
             if L.post_ffn_norm is not None:
