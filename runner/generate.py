@@ -4,6 +4,9 @@ Prefill runs the new prompt tokens through the backend in chunks (batched matmul
 then runs one token at a time. Text is streamed through the tokenizer's stream decoder, so
 no event carries half a UTF-8 character, and text that might begin a stop string is held
 back until it is known not to.
+
+``emit`` turns any source of token ids into those events; plain decoding is one source,
+speculative decoding (runner/speculative.py) another, so both stop in the same way.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ class Stats:
     prompt_s: float = 0.0
     gen_s: float = 0.0
     ttft_s: float = 0.0
+    spec: object = None     # speculative.SpecStats when the tokens were speculated
 
     @property
     def prompt_tps(self) -> float:
@@ -40,7 +44,8 @@ class Stats:
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "ttft_s": round(self.ttft_s, 4), "prompt_tokens_per_s": round(self.prompt_tps, 2),
-                "generation_tokens_per_s": round(self.gen_tps, 2)}
+                "generation_tokens_per_s": round(self.gen_tps, 2),
+                **({"speculative": self.spec.as_dict()} if self.spec else {})}
 
 
 @dataclass
@@ -73,24 +78,46 @@ def generate(model, prompt_ids: list[int], sampler: Sampler, cache, max_tokens: 
              stop: tuple[str, ...] = (), history: list[int] | None = None) -> Iterator[Token | Notice | Done]:
     """Feed prompt_ids (the tokens not yet in cache) and sample up to max_tokens (-1: until an
     end-of-generation token, at most one context's worth). ``history`` is what penalties see."""
+    def decode(logits, history):
+        while True:
+            t = sampler.sample(sampler.dist(logits, history))
+            yield t
+            logits = model.backend.forward([t], cache)[-1]
+    return emit(model, prompt_ids, cache, decode, max_tokens, stop, history)
+
+
+def emit(model, prompt_ids: list[int], cache, source, max_tokens: int = -1, stop: tuple[str, ...] = (),
+         history: list[int] | None = None, stats: Stats | None = None) -> Iterator[Token | Notice | Done]:
+    """Prefill, then turn the ids of ``source(prefill_logits, history)`` into events. The source
+    is an endless generator; ``history`` (the tokens so far) grows by each id taken from it
+    before it is resumed. A source may run the cache ahead of the ids taken (speculation):
+    at the end the cache is rolled back to every id taken but the last, as plain decoding
+    leaves it (the last one is fed first in the next turn)."""
     check_fits(len(prompt_ids), cache)
-    tok, backend = model.tokenizer, model.backend
+    tok = model.tokenizer
     history = list(history or []) + list(prompt_ids)
     limit = max_tokens if max_tokens >= 0 else cache.n_ctx
-    stats = Stats(prompt_tokens=len(prompt_ids))
+    stats = stats or Stats()
+    stats.prompt_tokens = len(prompt_ids)
     stream = tok.stream()
     text, pending, out_ids = "", "", []
     hold = max((len(s) for s in stop), default=1) - 1   # chars that could start a stop string
     dropped_before = cache.dropped
     t0 = time.perf_counter()
-    logits = backend.forward(prompt_ids, cache)[-1] if prompt_ids else None
+    logits = model.backend.forward(prompt_ids, cache)[-1] if prompt_ids else None
     stats.prompt_s = time.perf_counter() - t0
+    n_prompt_end = cache.n_past
     finish, t1 = "length", time.perf_counter()
-    while len(out_ids) < limit and logits is not None:
-        t = sampler.sample(sampler.dist(logits, history))
+    tokens = source(logits, history) if logits is not None else None
+    while tokens and len(out_ids) < limit:
+        t = next(tokens)
         if not out_ids:
             stats.ttft_s = time.perf_counter() - t0
             t1 = time.perf_counter()
+        if cache.dropped and not dropped_before:
+            dropped_before = True
+            yield Notice(f"context full ({cache.n_ctx} tokens): the earliest tokens were dropped "
+                         f"(the first {cache.n_keep} are kept)")
         out_ids.append(t)
         history.append(t)
         if t in tok.eog_ids:
@@ -101,18 +128,13 @@ def generate(model, prompt_ids: list[int], sampler: Sampler, cache, max_tokens: 
         if cut is not None:
             pending, finish = pending[:cut], "stop_string"
             break
-        emit = ""
+        piece = ""
         if len(pending) > hold:
-            emit, pending = pending[:len(pending) - hold], pending[len(pending) - hold:]
-            text += emit
-        yield Token(t, emit)   # one event per token; text may be "" while it is held back
-        if len(out_ids) >= limit:
-            break
-        logits = backend.forward([t], cache)[-1]
-        if cache.dropped and not dropped_before:
-            dropped_before = True
-            yield Notice(f"context full ({cache.n_ctx} tokens): the earliest tokens were dropped "
-                         f"(the first {cache.n_keep} are kept)")
+            piece, pending = pending[:len(pending) - hold], pending[len(pending) - hold:]
+            text += piece
+        yield Token(t, piece)   # one event per token; text may be "" while it is held back
+    if out_ids:
+        cache.rollback(cache.n_past - (n_prompt_end + len(out_ids) - 1))
     if finish != "stop_string":
         pending += stream.flush()
     finish = "stop" if finish == "stop_string" else finish
