@@ -10,11 +10,13 @@ from __future__ import annotations
 from typing import Iterator
 
 from runner.generate import ContextError, Done, Notice, Token, check_fits, generate
+from runner.speculative import speculative_generate
 
 
 class ChatSession:
-    def __init__(self, model, sampler, n_ctx: int, system: str | None = None):
+    def __init__(self, model, sampler, n_ctx: int, system: str | None = None, proposer=None):
         self.m, self.sampler, self.n_ctx = model, sampler, n_ctx
+        self.proposer = proposer    # speculative decoding (runner/speculative.py) when set
         self.cache = None
         self.reset(system)
 
@@ -46,7 +48,12 @@ class ChatSession:
         new = ids[k:]
         self._pending = (new, [])
         parts = []
-        for ev in generate(self.m, new, self.sampler, self.cache, max_tokens, history=self.fed):
+        if self.proposer is None:
+            events = generate(self.m, new, self.sampler, self.cache, max_tokens, history=self.fed)
+        else:
+            events = speculative_generate(self.m, new, self.sampler, self.cache, self.proposer, max_tokens,
+                                          history=self.fed)
+        for ev in events:
             if isinstance(ev, Token):
                 if ev.id >= 0:
                     self._pending[1].append(ev.id)

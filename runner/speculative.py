@@ -1,0 +1,206 @@
+"""Speculative decoding, exact to the target model's distribution.
+
+A proposer guesses the next tokens: a small draft model of the same vocabulary
+(``DraftModel``) or the continuation of the latest earlier match of the text's last
+n-gram (``PromptLookup``). The target runs its last token and k guesses in one forward
+with logits="all"; the backend computes batches of up to SMALL_BATCH tokens bit-identically
+to one-at-a-time decoding, so row i is exactly what plain decoding would see after the
+i-th guess. Guess x is accepted with probability min(1, p(x)/q(x)) (p: the target's
+sampling distribution, q: the one x was drawn from); the first rejected guess is replaced
+by a draw from max(0, p - q) normalized, and when all k pass one more token is drawn
+from the last row. Every emitted token is then distributed as p given the ones before it
+(Leviathan et al. 2023; Chen et al. 2023). At temperature 0, p and q are one-hot and this
+is greedy decoding, token for token.
+
+Context end: a verification batch never writes past the context (k shrinks to what fits),
+so a rejected guess never overwrites a ring slot that plain decoding would still attend
+to; from the last position on, tokens go one at a time exactly as in generate(), and the
+ring then drops the oldest tokens as it does there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runner.generate import Stats, emit
+from runner.model import ModelError
+from runner.sampler import Sampler
+
+# Guesses per target forward; see README "Speculative decoding" for the measurements.
+DRAFT_K = 4
+LOOKUP_K = 8
+LOOKUP_NGRAM = 3
+
+
+@dataclass
+class SpecStats:
+    method: str            # the draft model's name, or "lookup"
+    draft_max: int
+    drafted: int = 0       # guesses the target checked
+    accepted: int = 0      # of them, accepted
+    forwards: int = 0      # target forwards after the prompt
+    tokens: int = 0        # tokens those forwards produced and generation emitted
+
+    def as_dict(self) -> dict:
+        return {"method": self.method, "draft_max": self.draft_max, "drafted": self.drafted,
+                "accepted": self.accepted,
+                "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+                "target_forwards": self.forwards,
+                "tokens_per_target_forward": round(self.tokens / self.forwards, 3) if self.forwards else 0.0}
+
+
+def accept_prob(p: np.ndarray, q: np.ndarray | None, x: int) -> float:
+    """min(1, p(x)/q(x)); q None is a point mass on x (a lookup guess)."""
+    return float(p[x]) if q is None else min(1.0, float(p[x] / q[x]))
+
+
+def residual(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
+    """Where a rejected guess x is replaced from: max(0, p - q), normalized."""
+    if q is None:
+        r = p.copy()
+        r[x] = 0.0
+    else:
+        r = np.maximum(p - q, 0.0)
+    s = r.sum()
+    # s is 0 only when p == q, where rejection has probability 0: only float rounding gets here
+    return r / s if s > 0 else p
+
+
+def verify(sampler: Sampler, rows: np.ndarray, history: list[int], guesses: list[int],
+           qs: list[np.ndarray] | None) -> list[int]:
+    """The tokens one verification emits: the accepted guesses, then one token of the target's.
+    rows[i] are the target's logits after history + guesses[:i]."""
+    out = []
+    for i, x in enumerate(guesses):
+        p = sampler.dist(rows[i], history + out)
+        q = qs[i] if qs else None
+        if sampler.rng.random() < accept_prob(p, q, x):
+            out.append(x)
+        else:
+            return out + [sampler.sample(residual(p, q, x))]
+    return out + [sampler.sample(sampler.dist(rows[len(guesses)], history + out))]
+
+
+def speculative_generate(model, prompt_ids: list[int], sampler: Sampler, cache, proposer,
+                         max_tokens: int = -1, stop: tuple[str, ...] = (), history: list[int] | None = None):
+    """generate() with tokens guessed by ``proposer`` and checked by ``model``: the same events
+    and stopping rules, the same distribution (at temperature 0, the same tokens)."""
+    spec = SpecStats(proposer.name, proposer.k)
+
+    def source(logits, history):
+        first = sampler.sample(sampler.dist(logits, history))
+        proposer.propose(history, 0, sampler)   # a draft reads the prompt here: time to first token
+        yield first
+        while True:
+            # history ends with the last token taken, which the cache does not hold yet
+            k = min(proposer.k, cache.n_ctx - 1 - cache.n_past)
+            guesses, qs = proposer.propose(history, k, sampler) if k > 0 else ([], None)
+            rows = model.backend.forward([history[-1], *guesses], cache, logits="all")
+            out = verify(sampler, rows, history, guesses, qs)
+            spec.forwards += 1
+            spec.drafted += len(guesses)
+            spec.accepted += len(out) - 1
+            cache.rollback(len(guesses) + 1 - len(out))   # keep the last token + accepted guesses
+            for x in out:
+                spec.tokens += 1
+                yield x   # emit() rolls back the accepted guesses it did not take
+
+    return emit(model, prompt_ids, cache, source, max_tokens, stop, history, Stats(spec=spec))
+
+
+class PromptLookup:
+    """Guesses that the text goes on as it did after the latest earlier occurrence of its last
+    n tokens (n from ``ngram`` down to 1). A guess is a point mass: q(x) = 1."""
+
+    name = "lookup"
+
+    def __init__(self, ngram: int = LOOKUP_NGRAM, k: int = LOOKUP_K):
+        self.ngram, self.k = ngram, k
+
+    def propose(self, context: list[int], k: int, sampler: Sampler) -> tuple[list[int], None]:
+        a = np.asarray(context)
+        for n in range(min(self.ngram, len(a) - 1), 0, -1):
+            hit = np.ones(len(a) - n, bool)     # hit[i]: a[i:i+n] equals the last n tokens
+            for j in range(n):
+                hit &= a[j:len(a) - n + j] == a[len(a) - n + j]
+            starts = np.flatnonzero(hit)
+            if len(starts):
+                i = int(starts[-1]) + n
+                return a[i:i + k].tolist(), None
+        return [], None
+
+
+class DraftModel:
+    """A smaller model of the same vocabulary guesses by sampling its own distribution under
+    the same sampler rules, with its own KV cache."""
+
+    def __init__(self, target, draft, n_ctx: int, k: int = DRAFT_K):
+        check_compatible(target, draft)
+        self.m, self.name, self.k = draft, draft.name, k
+        self.n_vocab = target.cfg.n_vocab
+        self.cache = draft.backend.make_cache(n_ctx)   # positions follow the target's, never past n_ctx
+        self.fed: list[int] = []                       # the tokens in self.cache, in order
+
+    def propose(self, context: list[int], k: int, sampler: Sampler) -> tuple[list[int], list[np.ndarray]]:
+        logits = self._sync(context)
+        out, qs = [], []
+        for i in range(k):
+            q = self._over_target_vocab(sampler.dist(logits, context + out))
+            if q is None:
+                break
+            out.append(sampler.sample(q))
+            qs.append(q)
+            if i + 1 < k:
+                logits = self._feed(out[-1:])
+        return out, qs
+
+    def _sync(self, context: list[int]) -> np.ndarray:
+        """Make the cache hold exactly ``context`` and return the logits after it. The common
+        prefix stays; at least one token is rerun, for its logits."""
+        keep = min(_common_prefix(self.fed, context), len(context) - 1)
+        # n_past, not len(fed): an interrupted forward may have claimed positions
+        self.cache.rollback(self.cache.n_past - keep)
+        del self.fed[keep:]
+        return self._feed(context[keep:])
+
+    def _feed(self, ids: list[int]) -> np.ndarray:
+        logits = self.m.backend.forward(ids, self.cache)[-1]
+        self.fed += ids
+        return logits
+
+    def _over_target_vocab(self, q: np.ndarray) -> np.ndarray | None:
+        """q over the target's ids. Draft-only ids are never proposed: their mass is dropped
+        (None if that was all of it)."""
+        if len(q) < self.n_vocab:
+            return np.pad(q, (0, self.n_vocab - len(q)))
+        q = q[:self.n_vocab]
+        s = q.sum()
+        return q / s if s > 0 else None
+
+
+def check_compatible(target, draft) -> None:
+    """The draft must read every token the target writes as the same text, and agree on the
+    special tokens; it may have more tokens (never proposed)."""
+    t, d = target.tokenizer, draft.tokenizer
+    why = None
+    if d.kind != t.kind:
+        why = f"its tokenizer is {d.kind}, the target's is {t.kind}"
+    elif len(d.tokens) < len(t.tokens):
+        why = f"it has {len(d.tokens)} tokens, the target {len(t.tokens)}"
+    elif d.tokens[:len(t.tokens)] != t.tokens:
+        i = _common_prefix(d.tokens, t.tokens)
+        why = f"token {i} is {d.tokens[i]!r} in the draft and {t.tokens[i]!r} in the target"
+    elif (d.bos_id, d.eos_id) != (t.bos_id, t.eos_id):
+        why = f"BOS/EOS ids are {d.bos_id}/{d.eos_id} in the draft and {t.bos_id}/{t.eos_id} in the target"
+    elif {i for i in d.eog_ids if i < len(t.tokens)} != set(t.eog_ids):
+        why = f"end-of-generation ids differ ({sorted(d.eog_ids)} vs the target's {sorted(t.eog_ids)})"
+    if why:
+        raise ModelError(f"draft model {draft.name} cannot draft for {target.name}: {why} "
+                         f"(a draft must share the target's vocabulary)")
+
+
+def _common_prefix(a: list, b: list) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
