@@ -114,15 +114,15 @@ def requantized(model: str) -> Path:
     name, _, qtype = model.partition("@")
     src = resolve(name)
     out = Path(os.environ.get("NUMBAT_HOME", Path.home() / ".cache" / "numbat")) / "bench" / f"{src.stem}-{qtype}.gguf"
-    if not out.exists():
-        import llama_cpp
-        ftype = {"Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "Q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0}[qtype]
+    if not out.exists():      # in a child: llama.cpp prints every tensor it converts
         out.parent.mkdir(parents=True, exist_ok=True)
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype, params.allow_requantize = ftype, True
         tmp = out.with_suffix(".part")
-        if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
-            sys.exit(f"requantizing {src} to {qtype} failed")
+        code = ("import llama_cpp as l, sys; p = l.llama_model_quantize_default_params(); "
+                f"p.ftype = l.LLAMA_FTYPE_MOSTLY_{qtype}; p.allow_requantize = True; "
+                f"sys.exit(l.llama_model_quantize({str(src)!r}.encode(), {str(tmp)!r}.encode(), p))")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if r.returncode:
+            sys.exit(f"requantizing {src} to {qtype} failed:\n{r.stderr[-2000:]}")
         tmp.rename(out)
     return out
 

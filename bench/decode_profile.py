@@ -1,7 +1,7 @@
 """Where a decode step's time goes: matvec kernels, attention, norms/RoPE/activations,
 sampling, and the Python around them.
 
-    python bench/profile.py [MODEL] [-n 64] [-t 2]
+    python bench/decode_profile.py [MODEL] [-n 64] [-t 2]
 
 cProfile over n greedy decode steps, its per-function own time summed by category. Compiled
 kernels count as whole calls; "python" is everything else (the forward's bookkeeping, the
