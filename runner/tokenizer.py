@@ -108,7 +108,7 @@ class Tokenizer:
     add_space_prefix: bool
     _model: HFTokenizer = field(repr=False)
     _hidden: frozenset[int] = field(repr=False)              # CONTROL/UNKNOWN: print only when asked
-    _pieces: list[bytes] = field(repr=False)                 # bytes each token stands for
+    _pieces: _Pieces = field(repr=False)                     # bytes each token stands for
     _special: list[tuple[str, int, bool]] = field(repr=False)  # (text, id, hidden), longest first
 
     @property
@@ -167,7 +167,7 @@ class Tokenizer:
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", defaults["add_bos"])),
             add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", defaults["prefix"])),
-            _model=hf, _hidden=hidden, _pieces=_pieces(tokens, types, hidden | user_defined, kind),
+            _model=hf, _hidden=hidden, _pieces=_Pieces(tokens, types, hidden | user_defined, kind),
             _special=special,
         )
 
@@ -255,23 +255,33 @@ class StreamDecoder:
 
 # -- building ------------------------------------------------------------------------------
 
-def _pieces(tokens: Sequence[str], types: np.ndarray, raw: frozenset[int], kind: str) -> list[bytes]:
-    """The bytes each token stands for, the way llama.cpp's token_to_piece renders them."""
-    byte_of = _byte_decoder()
-    out = []
-    for i, text in enumerate(tokens):
-        t = types[i]
-        if i in raw:   # control, unknown and user-defined tokens are stored as plain text
-            out.append(text.encode())
-        elif t == BYTE:   # <0xAB>
-            out.append(bytes([int(text[3:5], 16)]))
-        elif t != NORMAL:   # UNUSED and unknown types print nothing
-            out.append(b"")
-        elif kind == "spm":
-            out.append(text.replace("▁", " ").encode())
-        else:
-            out.append(bytes(byte_of[c] for c in text) if all(c in byte_of for c in text) else text.encode())
-    return out
+class _Pieces:
+    """The bytes each token stands for, the way llama.cpp's token_to_piece renders them.
+    Made on first use of each token: making all 152k of them cost 0.2 s of every start."""
+
+    def __init__(self, tokens: Sequence[str], types: np.ndarray, raw: frozenset[int], kind: str):
+        self.tokens, self.types, self.raw, self.kind = tokens, types, raw, kind
+        self.byte_of = _byte_decoder()
+        self.made: dict[int, bytes] = {}
+
+    def __getitem__(self, i: int) -> bytes:
+        p = self.made.get(i)
+        if p is None:
+            p = self.made[i] = self._make(i)
+        return p
+
+    def _make(self, i: int) -> bytes:
+        text, t = self.tokens[i], self.types[i]
+        if i in self.raw:   # control, unknown and user-defined tokens are stored as plain text
+            return text.encode()
+        if t == BYTE:   # <0xAB>
+            return bytes([int(text[3:5], 16)])
+        if t != NORMAL:   # UNUSED and unknown types print nothing
+            return b""
+        if self.kind == "spm":
+            return text.replace("▁", " ").encode()
+        byte_of = self.byte_of
+        return bytes(byte_of[c] for c in text) if all(c in byte_of for c in text) else text.encode()
 
 
 def _build_bpe(tokens: Sequence[str], merges: Sequence[str], pre: _Pre) -> HFTokenizer:
