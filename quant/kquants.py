@@ -41,6 +41,8 @@ from numba import njit, prange
 from quant.act import quantize_q8_K, roundtrip_q8_K
 from quant.common import F16, QType, readonly
 from quant.intrin import _add32, _field, _mul16, _mul32, _or16
+from quant.vnni import AVAILABLE as VNNI
+from quant.vnni import q4k_dot, q6k_dot
 
 f32 = np.float32
 i16 = np.int16
@@ -347,6 +349,40 @@ def matvec_q6_K(raw, xq, xd, bs, y, F16):
         y[r] = acc
 
 
+# ---------------------------------------------------------------- the same on AVX512-VNNI
+# xq as int8; one vpdpbusd per 64 values (quant.vnni), the float part unchanged, so the
+# results are the portable kernels' bits. Measured (2 threads, FFN shapes): Q4_K 32 -> 45,
+# Q6_K 38 -> 46 GB/s.
+
+@njit(parallel=True, fastmath=True, cache=True)
+def matvec_q4_K_vnni(raw, xq, xd, bs, y, F16):
+    for r in prange(raw.shape[0]):
+        w = raw[r]
+        acc = f32(0)
+        for b in range(raw.shape[1] // 144):
+            o = b * 144
+            sa, sb, ma, mb = _k4_scales(w, o + 4)
+            s = q4k_dot(w, o + 16, xq, b * 256, sa, sb)
+            mins = _dot4(ma, bs, b * 8) + _dot4(mb, bs, b * 8 + 4)
+            acc += xd[b] * (_f16(w, o, F16) * f32(s) - _f16(w, o + 2, F16) * f32(mins))
+        y[r] = acc
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def matvec_q6_K_vnni(raw, xq, xd, bs, y, F16):
+    for r in prange(raw.shape[0]):
+        w = raw[r]
+        acc = f32(0)
+        for b in range(raw.shape[1] // 210):
+            o = b * 210
+            s = q6k_dot(w, o, xq, b * 256)
+            off = 0
+            for j in range(16):
+                off += np.int8(w[o + 192 + j]) * bs[b * 16 + j]
+            acc += xd[b] * (_f16(w, o + 208, F16) * f32(np.int32(s - 32 * off)))
+        y[r] = acc
+
+
 # ---------------------------------------------------------------- activations, wrappers, registry
 
 @njit(cache=True)
@@ -357,26 +393,31 @@ def quantize_x(x, xq, xd, bs16, bs32):
         bs32[i] = bs16[2 * i] + bs16[2 * i + 1]
 
 
-_xbuf: dict[int, tuple] = {}
+_xbuf: dict[tuple, tuple] = {}
 
 
-def _x_scratch(n: int):
-    """Quantized-activation buffers for n values, allocated once per n and reused."""
-    buf = _xbuf.get(n)
+def _x_scratch(n: int, dtype=np.int16):
+    """Quantized-activation buffers for n values, allocated once per (n, dtype) and reused."""
+    buf = _xbuf.get((n, dtype))
     if buf is None:
-        buf = _xbuf[n] = (np.empty(n, np.int16), np.empty(n // 256, np.float32),
-                          np.empty(n // 16, np.int32), np.empty(n // 32, np.int32))
+        buf = _xbuf[n, dtype] = (np.empty(n, dtype), np.empty(n // 256, np.float32),
+                                 np.empty(n // 16, np.int32), np.empty(n // 32, np.int32))
     return buf
 
 
-def _ktype(type_id, name, type_size, dq_kernel, mv_kernel, sums32):
+def _ktype(type_id, name, type_size, dq_kernel, mv_kernel, sums32, mv_vnni=None):
+    if VNNI and mv_vnni is not None:
+        mv_kernel, xtype = mv_vnni, np.int8
+    else:
+        xtype = np.int16
+
     def dequant_rows(raw, out):
         dq_kernel(readonly(raw), out, F16)
 
     def matvec(raw, x, y):
         if x.shape[0] != raw.shape[1] // type_size * 256:
             raise ValueError(f"{name} matvec: {raw.shape[1]} bytes per row do not match {x.shape[0]} inputs")
-        xq, xd, bs16, bs32 = _x_scratch(x.shape[0])
+        xq, xd, bs16, bs32 = _x_scratch(x.shape[0], xtype)
         quantize_x(x, xq, xd, bs16, bs32)
         mv_kernel(readonly(raw), xq, xd, bs32 if sums32 else bs16, y, F16)
     dequant_rows.__qualname__ = dequant_rows.__name__ = f"dequant_rows_{name}"
@@ -387,7 +428,7 @@ def _ktype(type_id, name, type_size, dq_kernel, mv_kernel, sums32):
 QTYPES = {q.type_id: q for q in [
     _ktype(T.Q2_K, "Q2_K", 84, dequant_rows_q2_K, matvec_q2_K, False),
     _ktype(T.Q3_K, "Q3_K", 110, dequant_rows_q3_K, matvec_q3_K, False),
-    _ktype(T.Q4_K, "Q4_K", 144, dequant_rows_q4_K, matvec_q4_K, True),
+    _ktype(T.Q4_K, "Q4_K", 144, dequant_rows_q4_K, matvec_q4_K, True, matvec_q4_K_vnni),
     _ktype(T.Q5_K, "Q5_K", 176, dequant_rows_q5_K, matvec_q5_K, True),
-    _ktype(T.Q6_K, "Q6_K", 210, dequant_rows_q6_K, matvec_q6_K, False),
+    _ktype(T.Q6_K, "Q6_K", 210, dequant_rows_q6_K, matvec_q6_K, False, matvec_q6_K_vnni),
 ]}

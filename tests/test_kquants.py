@@ -141,3 +141,22 @@ def test_matvec_rejects_wrong_length():
     raw = random_blocks(T.Q4_K, 2, 2, np.random.default_rng(0))
     with pytest.raises(ValueError):
         kquants.QTYPES[int(T.Q4_K)].matvec(raw, np.zeros(256, np.float32), np.empty(2, np.float32))
+
+
+@pytest.mark.skipif(not kquants.VNNI, reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("seed", range(4))
+def test_vnni_kernels_return_the_portable_bits(t, seed):
+    """vpdpbusd sums are exact integers and the float part is the same code, so the VNNI
+    kernels must match the portable ones bit for bit, extreme activations included."""
+    rng = np.random.default_rng(seed)
+    raw = random_blocks(t, 37, 6, rng)
+    x = rng.standard_normal(6 * 256).astype(np.float32) * rng.choice([1e-3, 1.0, 300.0])
+    x[rng.integers(0, x.size, 5)] *= 50
+    _, mv = _kernels(t)
+    xq, xd, bs16, bs32 = kquants._x_scratch(x.size)
+    kquants.quantize_x(x, xq, xd, bs16, bs32)
+    y_portable, y = np.empty(37, np.float32), np.empty(37, np.float32)
+    mv(raw, xq, xd, bs32 if t == T.Q4_K else bs16, y_portable, F16)
+    kquants.QTYPES[int(t)].matvec(raw, x, y)
+    np.testing.assert_array_equal(y, y_portable)
