@@ -26,6 +26,14 @@ err = Console(stderr=True, highlight=False)
 state = {"debug": False}
 
 ModelArg = Annotated[Optional[str], typer.Argument(help=f"A catalog name or a path to a .gguf (default {catalog.DEFAULT_MODEL}).")]
+# speculative decoding (runner/speculative.py); the defaults are DRAFT_K, LOOKUP_K, LOOKUP_NGRAM there
+DraftOpt = Annotated[Optional[str], typer.Option(
+    "--draft", help="Speculative decoding: a smaller model of the same vocabulary guesses, MODEL checks.")]
+DraftMaxOpt = Annotated[Optional[int], typer.Option(
+    "--draft-max", help="Guesses per check, 1-15 (default 4 with --draft, 8 with --lookup).")]
+LookupOpt = Annotated[bool, typer.Option(
+    "--lookup", help="Speculative decoding without a draft: guess what followed the last n-gram earlier in the text.")]
+LookupNgramOpt = Annotated[Optional[int], typer.Option("--lookup-ngram", help="Longest n-gram --lookup matches (default 3).")]
 
 
 class UserError(Exception):
@@ -90,6 +98,36 @@ def _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed):
                                      repeat_penalty=repeat_penalty, seed=seed))
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def _speculation(draft, draft_max, lookup, lookup_ngram):
+    """Check the speculation flags before any model loads; returns a function that builds the
+    proposer for a loaded target and context length, or None."""
+    if draft is None and not lookup:
+        if draft_max is not None or lookup_ngram is not None:
+            raise UserError("--draft-max and --lookup-ngram need --draft MODEL or --lookup")
+        return None
+    if draft is not None and lookup:
+        raise UserError("give --draft MODEL or --lookup, not both")
+    from runner.backends.numba_cpu import SMALL_BATCH
+    from runner.speculative import DRAFT_K, LOOKUP_K, LOOKUP_NGRAM, DraftModel, PromptLookup
+    k = draft_max if draft_max is not None else DRAFT_K if draft else LOOKUP_K
+    # the last token and the guesses are checked in one batch, exact only up to SMALL_BATCH tokens
+    if not 1 <= k < SMALL_BATCH:
+        raise UserError(f"--draft-max must be in 1..{SMALL_BATCH - 1}, got {k}")
+    if lookup:
+        n = lookup_ngram if lookup_ngram is not None else LOOKUP_NGRAM
+        if n < 1:
+            raise UserError(f"--lookup-ngram must be at least 1, got {n}")
+        return lambda m, n_ctx, threads: PromptLookup(n, k)
+    if lookup_ngram is not None:
+        raise UserError("--lookup-ngram needs --lookup")
+    return lambda m, n_ctx, threads: DraftModel(m, _load(draft, threads), n_ctx, k)
+
+
+def _spec_line(spec) -> str:
+    return (f" | {spec.method}: {spec.accepted}/{spec.drafted} guesses accepted, "
+            f"{spec.tokens / spec.forwards if spec.forwards else 0:.2f} tok/forward")
 
 
 def _model_and_text(args: list[str]) -> tuple[str | None, str | None]:
@@ -255,9 +293,12 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
            system: Annotated[Optional[str], typer.Option("--system", help="System prompt.")] = None,
            raw: Annotated[bool, typer.Option("--raw", help="Plain continuation, no chat template.")] = False,
            as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
-           verbose: Annotated[bool, typer.Option("--verbose", "-v", help="End with a stats line.")] = False):
+           verbose: Annotated[bool, typer.Option("--verbose", "-v", help="End with a stats line.")] = False,
+           draft: DraftOpt = None, draft_max: DraftMaxOpt = None, lookup: LookupOpt = False,
+           lookup_ngram: LookupNgramOpt = None):
     """One reply to TEXT, streamed as it is generated."""
     from runner.generate import ContextError, Done, Notice, Token, generate
+    from runner.speculative import speculative_generate
     model, text = _model_and_text(args)
     if text is None:
         raise UserError("give the TEXT to answer (quote it; '-' reads stdin)")
@@ -266,6 +307,7 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
     if ctx is not None and ctx < 16:
         raise UserError(f"-c/--ctx must be at least 16, got {ctx}")
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
     text = _read_text(text)
     m = _load(model, threads)
     if raw:
@@ -274,9 +316,14 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         ids = m.template.encode(m.tokenizer, msgs)
     cache = m.make_cache(ctx, n_keep=1 if m.tokenizer.add_bos else 0)
+    if speculation:
+        events = speculative_generate(m, ids, sampler, cache, speculation(m, cache.n_ctx, threads), max_tokens,
+                                      tuple(stop or ()))
+    else:
+        events = generate(m, ids, sampler, cache, max_tokens, tuple(stop or ()))
     done = None
     try:
-        for ev in generate(m, ids, sampler, cache, max_tokens, tuple(stop or ())):
+        for ev in events:
             if isinstance(ev, Token) and not as_json:
                 sys.stdout.write(ev.text)
                 sys.stdout.flush()
@@ -293,7 +340,8 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
         print()
     if verbose:
         err.print(f"ttft {s.ttft_s * 1000:.0f} ms | prompt {s.prompt_tokens} tok, {s.prompt_tps:.1f} tok/s | "
-                  f"generation {s.completion_tokens} tok, {s.gen_tps:.1f} tok/s | {done.finish_reason}")
+                  f"generation {s.completion_tokens} tok, {s.gen_tps:.1f} tok/s | {done.finish_reason}"
+                  + (_spec_line(s.spec) if s.spec else ""))
 
 
 CHAT_HELP = """commands: /help  /reset  /system TEXT  /stats  /save FILE  /exit (or Ctrl-D)
@@ -311,15 +359,19 @@ def chat(model: ModelArg = None,
          repeat_penalty: Annotated[float, typer.Option("--repeat-penalty")] = 1.0,
          seed: Annotated[Optional[int], typer.Option("--seed")] = None,
          ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context length (default 4096).")] = None,
-         threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None):
+         threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None,
+         draft: DraftOpt = None, draft_max: DraftMaxOpt = None, lookup: LookupOpt = False,
+         lookup_ngram: LookupNgramOpt = None):
     """A multi-turn chat in the terminal. History stays in the KV cache: each turn runs only its new tokens."""
     from runner.chat import ChatSession
     from runner.generate import ContextError
     if max_tokens < -1:
         raise UserError(f"-n/--max-tokens must be -1 or more, got {max_tokens}")
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
     m = _load(model, threads)
-    s = ChatSession(m, sampler, m.context_length(ctx), system)
+    n_ctx = m.context_length(ctx)
+    s = ChatSession(m, sampler, n_ctx, system, speculation(m, n_ctx, threads) if speculation else None)
     out = Console(highlight=False)
     out.print(f"[dim]{m.name} ({m.cfg.arch}, context {s.cache.n_ctx}). /help for commands.[/]")
     while True:
@@ -377,16 +429,27 @@ def bench(model: ModelArg = None,
           n_gen: Annotated[int, typer.Option("--n-gen", "-n", help="Generated tokens (test tgN).")] = 128,
           reps: Annotated[int, typer.Option("--repetitions", "-r", help="Runs per test.")] = 3,
           threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None,
-          as_json: Annotated[bool, typer.Option("--json", help="One JSON object per test, per line.")] = False):
-    """Prompt processing and generation speed, as llama-bench measures them (random tokens, empty context)."""
+          as_json: Annotated[bool, typer.Option("--json", help="One JSON object per test, per line.")] = False,
+          draft: DraftOpt = None, draft_max: DraftMaxOpt = None, lookup: LookupOpt = False,
+          lookup_ngram: LookupNgramOpt = None):
+    """Prompt processing and generation speed, as llama-bench measures them (random tokens, empty context).
+    With --draft or --lookup, also greedy generation on a fixed code prompt, plain and speculative."""
     import numba
     import numpy as np
     if n_prompt < 0 or n_gen < 0 or reps < 1:
         raise UserError("-p and -n must be >= 0 and -r >= 1")
+    speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
     m = _load(model, threads)
     rng = np.random.default_rng(0)
     cache = m.make_cache(max(n_prompt, n_gen) + 1)
     rows = []
+
+    def add(test, rates, **extra):   # rates[0] warmed up and is not counted
+        r = np.array(rates[1:])
+        rows.append({"model": m.name, "size_bytes": m.file.file_size, "params": m.file.n_params(),
+                     "backend": m.backend.name, "threads": numba.get_num_threads(), "test": test,
+                     "tokens_per_s": round(float(r.mean()), 2), "stddev": round(float(r.std()), 2), **extra})
+
     for test, n in (("pp", n_prompt), ("tg", n_gen)):
         if n == 0:
             continue
@@ -401,10 +464,9 @@ def bench(model: ModelArg = None,
                 for i in ids:
                     m.backend.forward([i], cache)
             rates.append(n / (time.perf_counter() - t))
-        r = np.array(rates[1:])
-        rows.append({"model": m.name, "size_bytes": m.file.file_size, "params": m.file.n_params(),
-                     "backend": m.backend.name, "threads": numba.get_num_threads(), "test": f"{test}{n}",
-                     "tokens_per_s": round(float(r.mean()), 2), "stddev": round(float(r.std()), 2)})
+        add(f"{test}{n}", rates)
+    if speculation and n_gen:
+        _bench_speculation(m, n_gen, reps, speculation, threads, add)
     if as_json:
         for row in rows:
             print(json.dumps(row))
@@ -412,9 +474,61 @@ def bench(model: ModelArg = None,
     from rich.table import Table
     t = Table("model", "size", "params", "backend", "threads", "test", "t/s")
     for row in rows:
+        spec = row.get("speculative")
+        test = row["test"] + (f" ({spec['acceptance_rate']:.0%} accepted, {spec['tokens_per_target_forward']:.2f} "
+                              f"tok/forward)" if spec else "")
         t.add_row(row["model"], f"{row['size_bytes'] / 2**20:.2f} MiB", f"{row['params'] / 1e6:.2f} M", row["backend"],
-                  str(row["threads"]), row["test"], f"{row['tokens_per_s']:.2f} ± {row['stddev']:.2f}")
+                  str(row["threads"]), test, f"{row['tokens_per_s']:.2f} ± {row['stddev']:.2f}")
     Console().print(t)
+
+
+# Random tokens are never guessed right, so speculation is measured on code, which drafts and
+# lookups can continue: the start of a module for the model to go on with.
+BENCH_CODE = '''import json
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Item:
+    name: str
+    price: float
+    quantity: int = 0
+    tags: list[str] = field(default_factory=list)
+
+
+class Inventory:
+    """Items by name, with their stock."""
+
+    def __init__(self):
+        self.items: dict[str, Item] = {}
+
+    def add(self, item: Item) -> None:
+        """Add an item, or add to its quantity if it is already here."""
+'''
+
+
+def _bench_speculation(m, n_gen, reps, speculation, threads, add):
+    """tgN on BENCH_CODE, greedy: plain decoding, then speculative; generation speed as
+    generate() reports it (tokens after the first, over the time after the first)."""
+    from runner.generate import generate
+    from runner.sampler import Sampler, SamplerConfig
+    from runner.speculative import speculative_generate
+    ids = m.tokenizer.encode(BENCH_CODE)
+    cache = m.make_cache(len(ids) + n_gen)
+    proposer = speculation(m, cache.n_ctx, threads)
+    for speculate in (False, True):
+        rates = []
+        for _ in range(reps + 1):
+            cache.reset()
+            greedy = Sampler(SamplerConfig(temp=0))
+            events = (speculative_generate(m, ids, greedy, cache, proposer, n_gen) if speculate
+                      else generate(m, ids, greedy, cache, n_gen))
+            done = list(events)[-1]
+            rates.append(done.stats.gen_tps)
+        if speculate:
+            add(f"tg{n_gen} code, {proposer.name}", rates, speculative=done.stats.spec.as_dict())
+        else:
+            add(f"tg{n_gen} code", rates)
 
 
 def main():

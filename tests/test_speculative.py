@@ -9,6 +9,7 @@
 - Draft/target compatibility, the CLI flags, and real models (marked ``real``).
 """
 import dataclasses
+import json
 import re
 from collections import Counter
 from types import SimpleNamespace
@@ -24,8 +25,9 @@ from runner.generate import Done, Notice, generate
 from runner.kv_cache import KVCache
 from runner.model import ModelError, load
 from runner.sampler import Sampler, SamplerConfig
-from runner.speculative import (DraftModel, PromptLookup, accept_prob, check_compatible, residual,
+from runner.speculative import (DRAFT_K, DraftModel, PromptLookup, accept_prob, check_compatible, residual,
                                 speculative_generate)
+from test_cli import assert_one_line_error, call_main, invoke, run
 
 GREEDY = SamplerConfig(temp=0)
 
@@ -307,3 +309,140 @@ def test_incompatible_drafts_are_refused(draft, needle):
     with pytest.raises(ModelError, match=re.escape(f"draft model d cannot draft for t: {needle}")):
         check_compatible(_fake("t"), draft)
     check_compatible(_fake("t"), _fake("d", tokens=["a", "b", "c", "extra"]))
+
+
+# ---------------------------------------------------------------- CLI
+
+SPEC_FIELDS = {"method", "draft_max", "drafted", "accepted", "acceptance_rate", "target_forwards",
+               "tokens_per_target_forward"}
+
+
+def test_prompt_with_draft_json(tiny):
+    target, draft = (str(m.path) for m in tiny)
+    args = ("prompt", target, "hello world", "--raw", "--temp", 0, "-n", 24, "--json")
+    plain = json.loads(invoke(*args).stdout)
+    r = invoke(*args, "--draft", draft)
+    assert r.exit_code == 0
+    d = json.loads(r.stdout)
+    assert (d["text"], d["completion_tokens"], d["finish_reason"]) == \
+        (plain["text"], plain["completion_tokens"], plain["finish_reason"])
+    s = d["speculative"]
+    assert set(s) == SPEC_FIELDS and "speculative" not in plain
+    assert s["method"] == draft and s["draft_max"] == DRAFT_K
+    assert 0 < s["accepted"] <= s["drafted"] and s["acceptance_rate"] == round(s["accepted"] / s["drafted"], 4)
+    # every token but the first (from the prompt's forward) came out of a target forward
+    assert s["tokens_per_target_forward"] == round((d["completion_tokens"] - 1) / s["target_forwards"], 3)
+
+
+def test_prompt_with_lookup_verbose(tiny):
+    target = str(tiny[0].path)
+    r = invoke("prompt", target, "the cat the cat the cat", "--raw", "--temp", 0, "-n", 16, "--verbose",
+               "--lookup", "--draft-max", 5, "--lookup-ngram", 2)
+    assert r.exit_code == 0
+    line = r.stderr.strip().splitlines()[-1]
+    assert re.search(r"generation 16 tok, [\d.]+ tok/s \| length \| lookup: (\d+)/(\d+) guesses accepted, "
+                     r"[\d.]+ tok/forward$", line), line
+
+
+def test_chat_with_draft_reports_speculation(tiny):
+    target, draft = (str(m.path) for m in tiny)
+    r = invoke("chat", target, "--temp", 0, "-n", 8, "--draft", draft, input="hello\n/stats\n")
+    assert r.exit_code == 0
+    stats = json.loads(r.stdout[r.stdout.index('{"turns"'):].splitlines()[0])
+    assert set(stats["turns"][0]["speculative"]) == SPEC_FIELDS
+    assert stats["turns"][0]["speculative"]["method"] == draft
+
+
+def test_bench_with_lookup(tiny):
+    target = str(tiny[0].path)
+    r = invoke("bench", target, "-p", 8, "-n", 8, "-r", 1, "--json", "--lookup")
+    assert r.exit_code == 0
+    rows = [json.loads(ln) for ln in r.stdout.splitlines()]
+    assert [row["test"] for row in rows] == ["pp8", "tg8", "tg8 code", "tg8 code, lookup"]
+    assert rows[2]["tokens_per_s"] > 0 and "speculative" not in rows[2]
+    assert rows[3]["tokens_per_s"] > 0 and rows[3]["speculative"]["method"] == "lookup"
+    r = invoke("bench", target, "-p", 0, "-n", 8, "-r", 1, "--draft", str(tiny[1].path), "--draft-max", 2)
+    assert r.exit_code == 0 and "accepted" in r.stdout and "tok/forward" in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["prompt", "--lookup", "--draft-max", "16", "hi"], "--draft-max must be in 1..15, got 16"),
+    (["prompt", "--draft", "d.gguf", "--lookup", "hi"], "give --draft MODEL or --lookup, not both"),
+    (["chat", "--draft-max", "2"], "--draft-max and --lookup-ngram need --draft MODEL or --lookup"),
+    (["bench", "--lookup", "--lookup-ngram", "0"], "--lookup-ngram must be at least 1, got 0"),
+    (["prompt", "--draft", "d.gguf", "--lookup-ngram", "2", "hi"], "--lookup-ngram needs --lookup"),
+])
+def test_bad_speculation_flags(monkeypatch, capsys, args, needle):
+    code, out, err = call_main(monkeypatch, capsys, *args)
+    assert code == 1 and out == ""
+    assert_one_line_error(err, needle)
+
+
+@pytest.mark.real
+def test_incompatible_draft_is_a_one_line_error():
+    r = run("prompt", "qwen2.5-coder:0.5b", "hi", "-n", 4, "--draft", "gemma3:270m")
+    assert r.returncode == 1
+    assert_one_line_error(r.stderr, "draft model gemma3:270m cannot draft for qwen2.5-coder:0.5b",
+                          "its tokenizer is spm, the target's is bpe")
+
+
+# ---------------------------------------------------------------- real models
+
+# (text, through the chat template, stop strings, context room after the prompt or None):
+# code and prose, answers that end with <|im_end|> within 32 tokens, stop strings, and two
+# contexts that end inside the generation
+REAL_PROMPTS = [
+    ("Write a Python function that checks whether a number is prime.", True, (), None),
+    ("What is 2 + 2? Reply with only the number.", True, (), None),
+    ("Name the capital of France in one word.", True, (), None),
+    ("Explain what a hash map is in two sentences.", True, (), None),
+    ("Write a haiku about the sea.", True, (), None),
+    ("Rewrite as a list comprehension:\nresult = []\nfor x in range(10):\n    if x % 2 == 0:\n"
+     "        result.append(x * x)", True, (), None),
+    ("Rename the variable tmp to total:\ndef add(a, b):\n    tmp = a + b\n    return tmp", True, (), None),
+    ("Say hello.", True, (), None),
+    ("Write a SQL query that selects all users older than 30.", True, (), None),
+    ("Translate 'good morning' into Spanish. Answer with the translation only.", True, (), None),
+    ("def fibonacci(n):\n", False, (), None),
+    ("import numpy as np\n\ndef softmax(x):\n", False, (), None),
+    ("class Stack:\n    def __init__(self):\n", False, (), None),
+    ("#include <stdio.h>\n\nint main(void) {\n", False, (), None),
+    ("function debounce(fn, ms) {\n", False, (), None),
+    ("The history of the printing press begins", False, (), None),
+    ("Once upon a time, in a small village,", False, (), None),
+    ("def is_even(n):\n", False, ("\n\n",), None),
+    ("List three colors, one per line.", True, ("\n",), None),
+    ("def bubble_sort(items):\n", False, (), 16),
+    ("Write a function that sums a list.", True, (), 20),
+]
+
+
+def _check_real(target, proposer):
+    """Every REAL_PROMPTS generation (greedy, 32 tokens) is the same with speculation, and
+    together they end in every way a generation can."""
+    ends = Counter()
+    for text, chat, stop, room in REAL_PROMPTS:
+        ids = (target.template.encode(target.tokenizer, [{"role": "user", "content": text}]) if chat
+               else target.tokenizer.encode(text))
+        plain, _ = _check_same(target, proposer, ids, len(ids) + room if room else 512, 32, stop)
+        finish, tokens = plain[-1][1], plain[-1][3]
+        ends["end of generation" if tokens[-1] in target.tokenizer.eog_ids else
+             "stop string" if finish == "stop" else "length"] += 1
+        ends["context end"] += any(e[0] == "notice" for e in plain)
+    assert all(ends[k] for k in ("end of generation", "stop string", "length", "context end")), ends
+
+
+@pytest.fixture(scope="module")
+def qwen05():
+    return load("qwen2.5-coder:0.5b")
+
+
+@pytest.mark.real
+def test_real_greedy_with_draft_is_plain_greedy(qwen05):
+    target = load("qwen2.5-coder:1.5b")
+    _check_real(target, DraftModel(target, qwen05, 512))
+
+
+@pytest.mark.real
+def test_real_greedy_with_lookup_is_plain_greedy(qwen05):
+    _check_real(qwen05, PromptLookup())
