@@ -33,6 +33,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+USER_ENV = dict(os.environ)      # before quant sets its OpenMP defaults
 
 import numba  # noqa: E402
 from gguf import GGML_QUANT_SIZES  # noqa: E402
@@ -192,8 +193,8 @@ def run(threads: list[int], runs: int) -> str:
 
 def command_line() -> str:
     """This run's command, with the scheduling and OpenMP settings that change the numbers."""
-    env = "".join(f"{k}={os.environ[k]} " for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "NUMBA_THREADING_LAYER")
-                  if k in os.environ)
+    env = "".join(f"{k}={USER_ENV[k]} " for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "NUMBA_THREADING_LAYER")
+                  if k in USER_ENV)
     realtime = hasattr(os, "sched_getscheduler") and os.sched_getscheduler(0) in (os.SCHED_FIFO, os.SCHED_RR)
     args, skip = [], False
     for arg in sys.argv[1:]:           # the --note text goes into the section, not the command
