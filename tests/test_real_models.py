@@ -77,10 +77,11 @@ def greedy(m, prompt_ids: list[int], n: int) -> list[int]:
     return out
 
 
-@pytest.mark.xfail(reason="greedy diverges from llama.cpp where its top-2 gap is 0.09-0.2; see issue 3",
-                   strict=False)
-def test_greedy_continuations_match_llama_cpp(real):
+def test_greedy_continuations_match_llama_cpp(real, request):
     m, fx = real
+    if fx["model"] == "gemma3:270m":   # the qwen models match since decode uses ggml's expf (issue 3)
+        request.applymarker(pytest.mark.xfail(reason="gemma3 diverges from llama.cpp after a top-2 gap of 0.55; "
+                                                     "see issue 3", strict=False))
     report = []
     for case in fx["greedy"]:
         assert m.tokenizer.encode(case["prompt"]) == case["prompt_ids"], case["prompt"]
