@@ -38,6 +38,9 @@ class QType:
     # prefill: X -> the activations as llama.cpp's kernels see them (8-bit rounded for
     # quantized weights), written to out; None keeps float32
     act_roundtrip: Callable[[np.ndarray, np.ndarray], None] | None = None
+    # (raw, X (m, n), Y (m, rows)) for a few vectors at once, reading each block once; each
+    # row of Y has the bits matvec gives it alone. None: callers loop over matvec.
+    matvec_rows: Callable | None = None
 
     def row_bytes(self, n_cols: int) -> int:
         return n_cols // self.block_size * self.type_size

@@ -160,3 +160,21 @@ def test_vnni_kernels_return_the_portable_bits(t, seed):
     mv(raw, xq, xd, bs32 if t == T.Q4_K else bs16, y_portable, F16)
     kquants.QTYPES[int(t)].matvec(raw, x, y)
     np.testing.assert_array_equal(y, y_portable)
+
+
+@pytest.mark.skipif(not kquants.VNNI, reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [2, 5, kquants.ROWS])
+def test_matvec_rows_gives_each_row_the_bits_of_matvec(t, m):
+    """Speculative verification runs a few tokens through matvec_rows and must see exactly
+    what decoding them one by one (matvec) sees."""
+    rng = np.random.default_rng(m)
+    raw = random_blocks(t, 29, 4, rng)
+    X = rng.standard_normal((m, 4 * 256)).astype(np.float32) * rng.uniform(0.01, 100, (m, 1)).astype(np.float32)
+    q = kquants.QTYPES[int(t)]
+    Y = np.empty((m, 29), np.float32)
+    q.matvec_rows(raw, X, Y)
+    for i in range(m):
+        y = np.empty(29, np.float32)
+        q.matvec(raw, X[i], y)
+        np.testing.assert_array_equal(Y[i], y)

@@ -18,7 +18,7 @@ from runner.kv_cache import KVCache
 # Batches up to this size run one matvec per token: bit-identical to decoding them one by one
 # (speculative verification needs that for exact greedy) and faster than dequantizing every
 # weight tile for a few tokens.
-SMALL_BATCH = 16
+SMALL_BATCH = quant.kquants.ROWS
 
 
 @dataclass
@@ -31,8 +31,12 @@ class Linear:
 
     def __call__(self, X: np.ndarray, Y: np.ndarray, rounded: dict | None = None) -> None:
         if X.shape[0] <= SMALL_BATCH:
-            for i in range(X.shape[0]):
-                quant.matvec(self.type_id, self.raw, X[i], Y[i])
+            rows = quant.qtype(self.type_id).matvec_rows
+            if rows is not None and X.shape[0] > 1:
+                rows(self.raw, X, Y)
+            else:
+                for i in range(X.shape[0]):
+                    quant.matvec(self.type_id, self.raw, X[i], Y[i])
         else:
             quant.matmul(self.type_id, self.raw, X, Y, rounded)
         if self.bias is not None:
