@@ -5,8 +5,10 @@ kernels, tokenizers) are imported inside the commands so `numbat --help` is inst
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -17,8 +19,29 @@ from rich.console import Console
 
 from models import catalog
 
-# Compiled kernels go to NUMBAT_HOME so that an installed (read-only) package still caches them.
-os.environ.setdefault("NUMBA_CACHE_DIR", str(catalog.home() / "numba-cache"))
+
+
+def _kernel_cache_dir() -> Path:
+    """Compiled kernels go to NUMBAT_HOME, so an installed (read-only) package caches them too.
+    numba checks a cached kernel only against its own file, but kernels inline code from
+    others (quant/intrin.py, quant/vnni.py): the directory is named by all of their sources,
+    and the directories of other versions are removed when a new one is made."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for p in sorted([*(root / "quant").glob("*.py"), *(root / "runner" / "backends").glob("*.py")]):
+        digest.update(p.read_bytes())
+    base = catalog.home() / "numba-cache"
+    path = base / digest.hexdigest()[:16]
+    if not path.is_dir() and base.is_dir():
+        for old in base.iterdir():
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
+    return path
+
+
+os.environ.setdefault("NUMBA_CACHE_DIR", str(_kernel_cache_dir()))
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="numbat: run GGUF language models locally (llama.cpp's answers, ollama's verbs).")
