@@ -53,7 +53,7 @@ ModelArg = Annotated[Optional[str], typer.Argument(help=f"A catalog name or a pa
 DraftOpt = Annotated[Optional[str], typer.Option(
     "--draft", help="Speculative decoding: a smaller model of the same vocabulary guesses, MODEL checks.")]
 DraftMaxOpt = Annotated[Optional[int], typer.Option(
-    "--draft-max", help="Guesses per check, 1-15 (default 4 with --draft, 8 with --lookup).")]
+    "--draft-max", help="Guesses per check, 1-15 (default 3 with --draft, 4 with --lookup).")]
 LookupOpt = Annotated[bool, typer.Option(
     "--lookup", help="Speculative decoding without a draft: guess what followed the last n-gram earlier in the text.")]
 LookupNgramOpt = Annotated[Optional[int], typer.Option("--lookup-ngram", help="Longest n-gram --lookup matches (default 3).")]
@@ -364,7 +364,7 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
     if verbose:
         err.print(f"ttft {s.ttft_s * 1000:.0f} ms | prompt {s.prompt_tokens} tok, {s.prompt_tps:.1f} tok/s | "
                   f"generation {s.completion_tokens} tok, {s.gen_tps:.1f} tok/s | {done.finish_reason}"
-                  + (_spec_line(s.spec) if s.spec else ""))
+                  + (_spec_line(s.spec) if s.spec else ""), soft_wrap=True)   # one line, for scripts too
 
 
 CHAT_HELP = """commands: /help  /reset  /system TEXT  /stats  /save FILE  /exit (or Ctrl-D)

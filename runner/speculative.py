@@ -27,9 +27,12 @@ from runner.generate import Stats, emit
 from runner.model import ModelError
 from runner.sampler import Sampler
 
-# Guesses per target forward; see README "Speculative decoding" for the measurements.
-DRAFT_K = 4
-LOOKUP_K = 8
+# Guesses per target forward, measured on qwen2.5-coder:1.5b, greedy: with the 0.5b draft on
+# three code completions, k = 1..4 were within 8% of each other and k = 3 within 3% of the
+# best; with lookup on a code edit, k = 4 was best (k = 8 and 15 lost 15% and 38% to the
+# cost of checking rejected guesses).
+DRAFT_K = 3
+LOOKUP_K = 4
 LOOKUP_NGRAM = 3
 
 

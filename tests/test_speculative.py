@@ -16,8 +16,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import typer
 from gguf import GGMLQuantizationType
 
+import cli
 from gguf_io.testing import write_tiny_model
 from runner import speculative
 from runner.chat import ChatSession
@@ -25,8 +27,8 @@ from runner.generate import Done, Notice, generate
 from runner.kv_cache import KVCache
 from runner.model import ModelError, load
 from runner.sampler import Sampler, SamplerConfig
-from runner.speculative import (DRAFT_K, DraftModel, PromptLookup, accept_prob, check_compatible, residual,
-                                speculative_generate)
+from runner.speculative import (DRAFT_K, LOOKUP_K, LOOKUP_NGRAM, DraftModel, PromptLookup, accept_prob,
+                                check_compatible, residual, speculative_generate)
 from test_cli import assert_one_line_error, call_main, invoke, run
 
 GREEDY = SamplerConfig(temp=0)
@@ -363,6 +365,14 @@ def test_bench_with_lookup(tiny):
     assert rows[3]["tokens_per_s"] > 0 and rows[3]["speculative"]["method"] == "lookup"
     r = invoke("bench", target, "-p", 0, "-n", 8, "-r", 1, "--draft", str(tiny[1].path), "--draft-max", 2)
     assert r.exit_code == 0 and "accepted" in r.stdout and "tok/forward" in r.stdout
+
+
+def test_help_states_the_defaults():
+    """cli.py does not import runner/ to build its help, so the defaults are written twice."""
+    for cmd in ("prompt", "chat", "bench"):
+        helps = {p.name: p.help for p in typer.main.get_command(cli.app).commands[cmd].params}
+        assert f"default {DRAFT_K} with --draft, {LOOKUP_K} with --lookup" in helps["draft_max"]
+        assert f"default {LOOKUP_NGRAM}" in helps["lookup_ngram"]
 
 
 @pytest.mark.parametrize("args,needle", [
