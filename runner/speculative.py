@@ -93,7 +93,8 @@ def speculative_generate(model, prompt_ids: list[int], sampler: Sampler, cache, 
 
     def source(logits, history):
         first = sampler.sample(sampler.dist(logits, history))
-        proposer.propose(history, 0, sampler)   # a draft reads the prompt here: time to first token
+        if cache.n_past < cache.n_ctx - 1:          # else no draft will ever be asked for
+            proposer.propose(history, 0, sampler)   # a draft reads the prompt now: time to first token
         yield first
         while True:
             # history ends with the last token taken, which the cache does not hold yet
