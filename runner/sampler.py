@@ -70,9 +70,11 @@ class Sampler:
         if c.temp == 0:
             p[int(np.argmax(logits))] = 1.0
             return p
-        ids = np.argsort(-logits, kind="stable")
-        if 0 < c.top_k < len(ids):
-            ids = ids[:c.top_k]
+        if 0 < c.top_k < len(logits):   # partition first: sorting all 152k logits took 11 ms
+            top = np.argpartition(-logits, c.top_k - 1)[:c.top_k]
+            ids = top[np.lexsort((top, -logits[top]))]     # by logit, ties by id
+        else:
+            ids = np.argsort(-logits, kind="stable")
         lg = logits[ids].astype(np.float64)
         probs = np.exp(lg - lg[0])
         probs /= probs.sum()
