@@ -117,7 +117,8 @@ def test_attention_kernel_masks_by_position_and_window(window, batched):
     qpos = np.array([6, 7, 8, 9])
     out = np.zeros((n_tok, n_head, d), np.float32)
     if batched:
-        attention_batched(q, qpos, k, v, kpos, cap, window, np.float32(d ** -0.5), out, np.zeros(n_tok * 2 * cap, np.float32))
+        S = np.zeros(2 * 2 * cap + 3, np.float32)     # room for two queries: two blocks
+        attention_batched(q, qpos, k, v, kpos, cap, window, np.float32(d ** -0.5), out, S)
     else:
         attention(q, qpos, k, v, kpos, cap, window, np.float32(d ** -0.5), out, np.zeros((8, cap), np.float32))
     for t in range(n_tok):

@@ -145,18 +145,22 @@ def softmax_rows(S, group, qpos, kpos, window, scale):
 
 
 def attention_batched(q, qpos, k, v, kpos, n_slots, window, scale, out, S):
-    """attention() for a prefill chunk: per kv head, the scores of all its query heads in one
-    BLAS product, softmax_rows, then one product with V. S: flat float32 scratch of at least
-    n_tok * group * n_slots. Sums run in BLAS's order, not attention()'s."""
+    """attention() for a prefill chunk: per kv head and block of queries, the scores of all
+    its query heads in one BLAS product, softmax_rows, then one product with V. S: flat
+    float32 scratch of at least group * n_slots (queries per block: as many as fit). Sums
+    run in BLAS's order, not attention()'s."""
     n_tok, n_head, d = q.shape
     group = n_head // k.shape[0]
-    m = n_tok * group
-    sc = S[:m * n_slots].reshape(m, n_slots)
-    for g in range(k.shape[0]):
-        heads = slice(g * group, (g + 1) * group)
-        np.matmul(q[:, heads].reshape(m, d), k[g, :n_slots].T, out=sc)
-        softmax_rows(sc, group, qpos, kpos[:n_slots], window, scale)
-        out[:, heads] = (sc @ v[g, :n_slots]).reshape(n_tok, group, d)
+    step = max(1, S.shape[0] // (group * n_slots))
+    for t0 in range(0, n_tok, step):
+        t1 = min(n_tok, t0 + step)
+        m = (t1 - t0) * group
+        sc = S[:m * n_slots].reshape(m, n_slots)
+        for g in range(k.shape[0]):
+            heads = slice(g * group, (g + 1) * group)
+            np.matmul(q[t0:t1, heads].reshape(m, d), k[g, :n_slots].T, out=sc)
+            softmax_rows(sc, group, qpos[t0:t1], kpos[:n_slots], window, scale)
+            out[t0:t1, heads] = (sc @ v[g, :n_slots]).reshape(t1 - t0, group, d)
 
 
 @njit(parallel=True, cache=True)

@@ -15,10 +15,11 @@ from runner.backends import kernels as K
 from runner.kv_cache import KVCache
 
 
-# Batches up to this size run one matvec per token: bit-identical to decoding them one by one
-# (speculative verification needs that for exact greedy) and faster than dequantizing every
-# weight tile for a few tokens.
+# Batches up to this size run the matvec kernels (matvec_rows where the type has it): each
+# token's result is bit-identical to decoding it alone (speculative verification needs that
+# for exact greedy), and faster than dequantizing every weight tile for a few tokens.
 SMALL_BATCH = quant.kquants.ROWS
+SCORE_TOKENS = 64       # prefill attention scores are computed for this many queries at a time
 
 
 @dataclass
@@ -115,7 +116,7 @@ class NumbaCPU:
         self.logits1 = z(1, c.n_vocab)
         self.logits_all = None          # (chunk, vocab): allocated on first logits="all"
         self.scratch = None             # attention scores, sized by the cache
-        self.scores = None              # prefill's score matrix, sized by the cache
+        self.scores = None              # prefill's scores for SCORE_TOKENS queries, sized by the cache
 
     def make_cache(self, n_ctx: int, n_keep: int = 0) -> KVCache:
         c = self.cfg
@@ -123,7 +124,7 @@ class NumbaCPU:
         cap = max(lc.cap for lc in cache.layers)
         if self.scratch is None or self.scratch.shape[1] < cap:
             self.scratch = np.zeros((numba.config.NUMBA_NUM_THREADS, cap), np.float32)
-            self.scores = np.zeros(self.chunk * (c.n_head // c.n_head_kv) * cap, np.float32)
+            self.scores = np.zeros(SCORE_TOKENS * (c.n_head // c.n_head_kv) * cap, np.float32)
         return cache
 
     def forward(self, tokens, cache: KVCache, logits: str = "last") -> np.ndarray:
