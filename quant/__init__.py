@@ -12,7 +12,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
-import numba  # noqa: E402
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq

@@ -181,6 +181,23 @@ def dequant_rows_q6_K(raw, out, F16):
                     out[r, b * 256 + 16 * j + l] = dl * f32(np.int32(lo | (hi << 4)) - 32)
 
 
+@njit(inline="always")
+def _k4_term(d, dmin, b, s, ma, mb, xd, bs):
+    """Q4_K/Q5_K block b: xd * (d * s - dmin * sum_j min_j * bsum_j), s its scaled integer
+    dot; the float part every Q4_K/Q5_K kernel shares (so they give the same bits)."""
+    mins = _dot4(ma, bs, b * 8) + _dot4(mb, bs, b * 8 + 4)
+    return xd[b] * (d * f32(s) - dmin * f32(mins))
+
+
+@njit(inline="always")
+def _k6_term(w, o, d, b, s, xd, bs):
+    """Q6_K block b at w[o]: xd * d * (s - 32 * sum_j scale_j * bsum_j), s its dot with q + 32."""
+    off = 0
+    for j in range(16):
+        off += np.int8(w[o + 192 + j]) * bs[b * 16 + j]
+    return xd[b] * (d * f32(np.int32(s - 32 * off)))
+
+
 # ---------------------------------------------------------------- matvec on Q8_K activations
 # Lane loops: l runs over 32 values (Q4_K/Q5_K: all 8 sub-blocks of a lane in one
 # expression) or over 16 (the 16-scale types: value l and l + 16 of a 32-run differ in scale,
@@ -308,8 +325,7 @@ def matvec_q4_K(raw, xq, xd, bs, y, F16):
             s = np.int32(0)
             for l in range(32):
                 s = _add32(s, _k4_lane(w, o + 16 + l, 0, xq, c + l, sa, sb))
-            mins = _dot4(ma, bs, b * 8) + _dot4(mb, bs, b * 8 + 4)
-            acc += xd[b] * (_f16(w, o, F16) * f32(s) - _f16(w, o + 2, F16) * f32(mins))
+            acc += _k4_term(_f16(w, o, F16), _f16(w, o + 2, F16), b, s, ma, mb, xd, bs)
         y[r] = acc
 
 
@@ -325,8 +341,7 @@ def matvec_q5_K(raw, xq, xd, bs, y, F16):
             s = np.int32(0)
             for l in range(32):
                 s = _add32(s, _k4_lane(w, o + 48 + l, w[o + 16 + l], xq, c + l, sa, sb))
-            mins = _dot4(ma, bs, b * 8) + _dot4(mb, bs, b * 8 + 4)
-            acc += xd[b] * (_f16(w, o, F16) * f32(s) - _f16(w, o + 2, F16) * f32(mins))
+            acc += _k4_term(_f16(w, o, F16), _f16(w, o + 2, F16), b, s, ma, mb, xd, bs)
         y[r] = acc
 
 
@@ -342,10 +357,7 @@ def matvec_q6_K(raw, xq, xd, bs, y, F16):
             for l in range(16):
                 s = _add32(s, _add32(_add32(_q6_group(w, o, 0, 0, l, xq, c), _q6_group(w, o, 0, 1, l, xq, c)),
                                      _add32(_q6_group(w, o, 1, 0, l, xq, c), _q6_group(w, o, 1, 1, l, xq, c))))
-            off = 0
-            for j in range(16):
-                off += np.int8(w[o + 192 + j]) * bs[b * 16 + j]
-            acc += xd[b] * (_f16(w, o + 208, F16) * f32(np.int32(s - 32 * off)))
+            acc += _k6_term(w, o, _f16(w, o + 208, F16), b, s, xd, bs)
         y[r] = acc
 
 
@@ -363,8 +375,7 @@ def matvec_q4_K_vnni(raw, xq, xd, bs, y, F16):
             o = b * 144
             sa, sb, ma, mb = _k4_scales(w, o + 4)
             s = q4k_dot(w, o + 16, xq, b * 256, sa, sb)
-            mins = _dot4(ma, bs, b * 8) + _dot4(mb, bs, b * 8 + 4)
-            acc += xd[b] * (_f16(w, o, F16) * f32(s) - _f16(w, o + 2, F16) * f32(mins))
+            acc += _k4_term(_f16(w, o, F16), _f16(w, o + 2, F16), b, s, ma, mb, xd, bs)
         y[r] = acc
 
 
@@ -376,10 +387,7 @@ def matvec_q6_K_vnni(raw, xq, xd, bs, y, F16):
         for b in range(raw.shape[1] // 210):
             o = b * 210
             s = q6k_dot(w, o, xq, b * 256)
-            off = 0
-            for j in range(16):
-                off += np.int8(w[o + 192 + j]) * bs[b * 16 + j]
-            acc += xd[b] * (_f16(w, o + 208, F16) * f32(np.int32(s - 32 * off)))
+            acc += _k6_term(w, o, _f16(w, o + 208, F16), b, s, xd, bs)
         y[r] = acc
 
 
@@ -399,8 +407,7 @@ def matrows_q4_K_vnni(raw, xq, xd, bs, y, F16):
             d, dmin = _f16(w, o, F16), _f16(w, o + 2, F16)
             for c in range(xq.shape[0]):
                 s = q4k_dot(w, o + 16, xq[c], b * 256, sa, sb)
-                mins = _dot4(ma, bs[c], b * 8) + _dot4(mb, bs[c], b * 8 + 4)
-                y[c, r] += xd[c, b] * (d * f32(s) - dmin * f32(mins))
+                y[c, r] += _k4_term(d, dmin, b, s, ma, mb, xd[c], bs[c])
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -415,10 +422,7 @@ def matrows_q6_K_vnni(raw, xq, xd, bs, y, F16):
             d = _f16(w, o + 208, F16)
             for c in range(xq.shape[0]):
                 s = q6k_dot(w, o, xq[c], b * 256)
-                off = 0
-                for j in range(16):
-                    off += np.int8(w[o + 192 + j]) * bs[c, b * 16 + j]
-                y[c, r] += xd[c, b] * (d * f32(np.int32(s - 32 * off)))
+                y[c, r] += _k6_term(w, o, d, b, s, xd[c], bs[c])
 
 
 # ---------------------------------------------------------------- activations, wrappers, registry

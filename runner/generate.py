@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-import numpy as np
 
 from runner.sampler import Sampler
 
