@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+import runner.env  # noqa: F401  (thread-pool defaults, before anything loads numpy)
 from models import catalog
 
 

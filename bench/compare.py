@@ -31,6 +31,9 @@ ENV = dict(os.environ)          # before anything of ours sets OpenMP defaults
 def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed: int) -> dict:
     """Runs in the child: warm up, then reps of pp and tg; tok/s lists as JSON."""
     import time
+    if engine != "llama.cpp":      # numbat's thread-pool defaults, as its CLI sets them
+        sys.path.insert(0, str(ROOT))
+        import runner.env  # noqa: F401
 
     import numpy as np
     if engine == "llama.cpp":
@@ -48,7 +51,6 @@ def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed
             for i in ids:
                 llm.eval([i])
     else:
-        sys.path.insert(0, str(ROOT))
         import numba
 
         from runner.model import load

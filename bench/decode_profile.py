@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import runner.env  # noqa: E402, F401  (thread-pool defaults, before numpy loads OpenBLAS)
 
 CATEGORIES = (      # first match wins: (category, substrings of "file:function")
     ("matvec", ("quant/legacy.py:_mv", "quant/kquants.py:matvec_", "quant/floats.py:", "quant/act.py:quantize",

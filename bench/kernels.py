@@ -29,13 +29,14 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-USER_ENV = dict(os.environ)      # before quant sets its OpenMP defaults
+USER_ENV = dict(os.environ)      # before runner.env sets its thread-pool defaults
+
+import runner.env  # noqa: E402, F401  (before numpy loads OpenBLAS)
 
 import numba  # noqa: E402
+import numpy as np  # noqa: E402
 from gguf import GGML_QUANT_SIZES  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from numba import njit, prange  # noqa: E402
@@ -193,7 +194,7 @@ def run(threads: list[int], runs: int) -> str:
 
 def command_line() -> str:
     """This run's command, with the scheduling and OpenMP settings that change the numbers."""
-    env = "".join(f"{k}={USER_ENV[k]} " for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "NUMBA_THREADING_LAYER")
+    env = "".join(f"{k}={USER_ENV[k]} " for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT", "NUMBA_THREADING_LAYER")
                   if k in USER_ENV)
     realtime = hasattr(os, "sched_getscheduler") and os.sched_getscheduler(0) in (os.SCHED_FIFO, os.SCHED_RR)
     args, skip = [], False

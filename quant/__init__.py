@@ -2,21 +2,13 @@
 type shares (dequantize a tensor, matvec, batched matmul, quantize)."""
 from __future__ import annotations
 
-import os
-
-# numba's OpenMP workers wait for the next parallel region. Decode runs ~360 regions per token,
-# so how they wait decides its speed. Measured here (qwen2.5-coder 0.5b tg128, 2 threads):
-# sleeping at once (PASSIVE) 34 tok/s idle and 34 with one other busy process; spinning 1000
-# rounds first 63 idle, 23 busy; spinning 10000 rounds 64 idle, 7 busy (llama.cpp: 62 / 18).
-# libgomp reads these before it loads; the user's own settings win.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+import runner.env  # noqa: F401  (thread-pool defaults, before numpy loads OpenBLAS)
 
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
-from quant import floats, kquants, legacy
+from quant import floats, gemm8, kquants, legacy
 from quant.common import QType
 
 QTYPES: dict[int, QType] = {**floats.QTYPES, **legacy.QTYPES, **kquants.QTYPES}
@@ -45,9 +37,11 @@ def matvec(type_id: int, raw: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
     qtype(type_id).matvec(raw, x, y)
 
 
-# Prefill: dequantize a tile of rows into a reused buffer that stays in cache, then let BLAS
-# multiply it with all activation vectors at once (see BENCHMARKS.md for the rate). The
-# activations are first rounded as llama.cpp's integer kernels round them (act_roundtrip).
+# Prefill: on AVX512-VNNI CPUs the quantized types go through quant.gemm8 (int8 products,
+# 2-4x float32 BLAS here). Elsewhere, and for the float types: dequantize a tile of rows into
+# a reused buffer that stays in cache, then let BLAS multiply it with all activation vectors
+# at once, the activations first rounded as llama.cpp's integer kernels round them
+# (act_roundtrip). See BENCHMARKS.md for the rates.
 _TILE_BYTES = 4 << 20
 _tiles: dict[tuple[int, int], np.ndarray] = {}
 
@@ -67,6 +61,9 @@ def matmul(type_id: int, raw: np.ndarray, X: np.ndarray, Y: np.ndarray, rounded:
     rows, cols = raw.shape[0], X.shape[1]
     if type_id == T.F32:
         np.matmul(X, raw.view(np.float32).T, out=Y)
+        return
+    if gemm8.supports(type_id) and Y.flags.c_contiguous:
+        gemm8.matmul(type_id, q.block_size, q.type_size, raw, X, Y, rounded)
         return
     if q.act_roundtrip is not None:
         Xr = rounded.get(q.act_roundtrip) if rounded is not None else None

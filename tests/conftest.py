@@ -1,9 +1,11 @@
 import os
 
-import numpy as np
-import pytest
+import runner.env  # noqa: F401  (thread-pool defaults, before numpy loads OpenBLAS)
 
-import quant  # noqa: F401  (sets the OpenMP wait policy before numba starts its threads)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import quant  # noqa: E402, F401
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
