@@ -155,12 +155,16 @@ def attention_batched(q, qpos, k, v, kpos, n_slots, window, scale, out, S):
     for t0 in range(0, n_tok, step):
         t1 = min(n_tok, t0 + step)
         m = (t1 - t0) * group
-        sc = S[:m * n_slots].reshape(m, n_slots)
+        # slots past the last one these queries may see are all masked: leave them out (in
+        # a prefill from empty, half of all scores)
+        seen = np.flatnonzero((kpos[:n_slots] >= 0) & (kpos[:n_slots] <= qpos[t1 - 1]))
+        n = int(seen[-1]) + 1 if len(seen) else 1
+        sc = S[:m * n].reshape(m, n)
         for g in range(k.shape[0]):
             heads = slice(g * group, (g + 1) * group)
-            np.matmul(q[t0:t1, heads].reshape(m, d), k[g, :n_slots].T, out=sc)
-            softmax_rows(sc, group, qpos[t0:t1], kpos[:n_slots], window, scale)
-            out[t0:t1, heads] = (sc @ v[g, :n_slots]).reshape(t1 - t0, group, d)
+            np.matmul(q[t0:t1, heads].reshape(m, d), k[g, :n].T, out=sc)
+            softmax_rows(sc, group, qpos[t0:t1], kpos[:n], window, scale)
+            out[t0:t1, heads] = (sc @ v[g, :n]).reshape(t1 - t0, group, d)
 
 
 @njit(parallel=True, cache=True)
