@@ -8,6 +8,7 @@ header fails with a GGUFError instead of a huge allocation or a long loop.
 """
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from math import prod
@@ -193,6 +194,15 @@ class GGUFFile:
         t = self.tensors[name]
         rows = prod(t.dims[1:])
         return self._mm[t.offset:t.offset + t.nbytes].reshape(rows, t.nbytes // rows)
+
+    def release(self, name: str) -> None:
+        """Drop this process's pages of a tensor that was copied elsewhere (quant.packed), so
+        resident memory does not hold it twice; the page cache keeps the file."""
+        t = self.tensors[name]
+        page = mmap.PAGESIZE
+        start, end = -(-t.offset // page) * page, (t.offset + t.nbytes) // page * page
+        if end > start:
+            self._mm._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def array(self, name: str) -> np.ndarray:
         """A float tensor (F32/F16) as a typed view in numpy order."""

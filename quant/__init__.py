@@ -8,7 +8,7 @@ import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
-from quant import floats, gemm8, kquants, legacy
+from quant import floats, gemm8, kquants, legacy, packed
 from quant.common import QType
 
 QTYPES: dict[int, QType] = {**floats.QTYPES, **legacy.QTYPES, **kquants.QTYPES}
@@ -33,8 +33,12 @@ def dequantize(type_id: int, raw: np.ndarray, n_cols: int) -> np.ndarray:
     return out
 
 
-def matvec(type_id: int, raw: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
-    qtype(type_id).matvec(raw, x, y)
+def matvec(type_id: int, raw, x: np.ndarray, y: np.ndarray) -> None:
+    """y = W @ x, W raw blocks (rows, row_bytes) or a quant.packed.Packed."""
+    if isinstance(raw, packed.Packed):
+        packed.matvec(raw, x, y)
+    else:
+        qtype(type_id).matvec(raw, x, y)
 
 
 # Prefill: on AVX512-VNNI CPUs the quantized types go through quant.gemm8 (int8 products,
@@ -59,6 +63,9 @@ def matmul(type_id: int, raw: np.ndarray, X: np.ndarray, Y: np.ndarray, rounded:
     and V; gate and up) round it once per kind."""
     q = qtype(type_id)
     rows, cols = raw.shape[0], X.shape[1]
+    if isinstance(raw, packed.Packed):     # only on CPUs where gemm8 runs
+        gemm8.matmul(type_id, q.block_size, q.type_size, raw, X, Y, rounded)
+        return
     if type_id == T.F32:
         np.matmul(X, raw.view(np.float32).T, out=Y)
         return

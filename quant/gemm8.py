@@ -104,6 +104,7 @@ _m16, _m16_1 = _micro(16, TOKENS), _micro(16, 1)
 # LLVM vectorizes the loops (indices from a runtime offset made them scalar gathers).
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = range(10)
+PACKED = 10     # + quant.packed's kind: weights repacked at load, 16 rows per group
 
 
 @njit(inline="always")
@@ -199,12 +200,38 @@ def _unpack(kind, w, u, j0, so, r, F16):
 
 # ---------------------------------------------------------------- the GEMM and its activations
 
+@njit(inline="always")
+def _unpack_group(kind, grp, nb, panel, so, F16):
+    """A group of quant.packed (16 rows, nb blocks) into a panel: its chunks are already a
+    panel's 64-byte steps, nibbles split and fifth bits added."""
+    gb = 544 if kind == PACKED + 2 else 352 if kind == PACKED + 1 else 288
+    off = np.float32(128 if kind == PACKED + 2 else 16 if kind == PACKED + 1 else 8)
+    for b in range(nb):
+        ob = grp[b * gb:]
+        for i in range(16):
+            d = _f16(ob, gb - 32 + 2 * i, F16)
+            _sub(so, i, b, d, -d * off)
+        if kind == PACKED + 2:
+            for t in range(512):
+                panel[b * 512 + t] = ob[t]
+        else:
+            for c in range(4):
+                lo, hi = panel[(8 * b + c) * 64:], panel[(8 * b + 4 + c) * 64:]
+                for t in range(64):
+                    lo[t] = ob[64 * c + t] & 15
+                    hi[t] = ob[64 * c + t] >> 4
+                if kind == PACKED + 1:
+                    for t in range(64):
+                        lo[t] |= ((ob[256 + 16 * c + (t >> 3)] >> (t & 7)) & 1) << 4
+                        hi[t] |= ((ob[264 + 16 * c + (t >> 3)] >> (t & 7)) & 1) << 4
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def gemm(raw, kind, S, bsize, tsize, X8, D, Y, F16):
     """Y (M, rows) = the rows of raw (blocks of bsize values in tsize bytes) against X8 (M, K)
     int8 with D (M, K // S, 2); X8, D and Y C-contiguous."""
     M, K = X8.shape
-    rows, nsub = raw.shape[0], K // S
+    rows, nsub = Y.shape[1], K // S
     Xf, Df, Yf = X8.ravel(), D.ravel(), Y.ravel()
     for p in prange((rows + 15) // 16):
         n = min(16, rows - 16 * p)
@@ -212,6 +239,9 @@ def gemm(raw, kind, S, bsize, tsize, X8, D, Y, F16):
         so = np.zeros(nsub * 32, np.float32)
         tmp = np.empty(K, np.uint8)
         t32, p32 = tmp.view(np.uint32), panel.view(np.uint32)
+        if kind >= PACKED:
+            _unpack_group(kind, raw[p], K // 32, panel, so, F16)
+            n = 0
         for r in range(n):
             w = raw[16 * p + r]
             for b in range(K // bsize):
@@ -219,6 +249,7 @@ def gemm(raw, kind, S, bsize, tsize, X8, D, Y, F16):
             for g in range(K // 4):     # 4 values at a time into the row's lane
                 p32[g * 16 + r] = t32[g]
         # a ragged last panel goes through a (M, 16) buffer, then its n columns to Y
+        n = min(16, rows - 16 * p)
         out, yo, ldy = Yf, 16 * p, rows
         if n < 16:
             out, yo, ldy = np.empty(M * 16, np.float32), 0, 16
@@ -270,11 +301,14 @@ def supports(type_id: int) -> bool:
     return AVAILABLE and type_id in KINDS
 
 
-def matmul(type_id: int, bsize: int, tsize: int, raw: np.ndarray, X: np.ndarray, Y: np.ndarray,
+def matmul(type_id: int, bsize: int, tsize: int, raw, X: np.ndarray, Y: np.ndarray,
            rounded: dict | None = None) -> None:
-    """Y (M, rows) = X (M, K) @ W.T; ``rounded`` as in quant.matmul (keys (S, per256))."""
+    """Y (M, rows) = X (M, K) @ W.T, W raw blocks or a quant.packed.Packed; ``rounded`` as
+    in quant.matmul (keys (S, per256))."""
     kind = KINDS[type_id]
     S, per256 = (16 if kind in (Q2_K, Q3_K, Q6_K) else 32), kind >= Q2_K
+    if not isinstance(raw, np.ndarray):        # repacked at load
+        kind, raw = PACKED + raw.kind, raw.data
     key = (S, per256)
     acts = rounded.get(key) if rounded is not None else None
     if acts is None:

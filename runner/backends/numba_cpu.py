@@ -25,7 +25,7 @@ SCORE_TOKENS = 64       # prefill attention scores are computed for this many qu
 @dataclass
 class Linear:
     type_id: int
-    raw: np.ndarray       # (n_out, row_bytes) read-only view of the file
+    raw: np.ndarray | quant.packed.Packed   # (n_out, row_bytes) read-only view of the file, or repacked
     n_in: int
     n_out: int
     bias: np.ndarray | None = None
@@ -81,7 +81,13 @@ class NumbaCPU:
             if name not in f.tensors:
                 raise GGUFError(f"{f.path}: tensor {name} is missing")
             t = f.tensors[name]
-            return Linear(t.type_id, f.raw(name), t.dims[0], t.dims[1], vec(bias) if bias else None)
+            raw = packs.get(name)
+            return Linear(t.type_id, f.raw(name) if raw is None else raw, t.dims[0], t.dims[1],
+                          vec(bias) if bias else None)
+
+        # Q4_0/Q5_0/Q8_0 matrices are repacked for decode (quant.packed), all but the embedding
+        packs = quant.packed.pack_file(f, [n for n, t in f.tensors.items()
+                                           if len(t.dims) == 2 and n != "token_embd.weight"])
 
         # llama 3 files carry per-pair rope frequency divisors
         freq_factors = vec("rope_freqs.weight")
@@ -100,7 +106,8 @@ class NumbaCPU:
                 q_norm=vec(p + "attn_q_norm.weight"), k_norm=vec(p + "attn_k_norm.weight"),
                 post_attn_norm=vec(p + "post_attention_norm.weight"), post_ffn_norm=vec(p + "post_ffw_norm.weight"),
                 theta_scale=theta_scale, window=cfg.sliding_window if cfg.is_sliding(i) else 0))
-        self.embd = lin("token_embd.weight")
+        t = f.tensors["token_embd.weight"]      # rows are looked up: the file's layout
+        self.embd = Linear(t.type_id, f.raw("token_embd.weight"), t.dims[0], t.dims[1])
         self.output_norm = vec("output_norm.weight")
         self.output = self.embd if cfg.tied_output else lin("output.weight")
         self._alloc()
