@@ -9,8 +9,9 @@ batched matmul GFLOP/s against numpy's float32 matmul.
     FFN shape, 896 in x 4864 out (a few MB: it stays in cache), and on the output head,
     896 in x 151936 out (read from DRAM). K-quants need inputs divisible by 256: their FFN
     shape is the transposed one (4864 in x 896 out) and their head has 1024 inputs.
+    Q4_0/Q5_0/Q8_0 also as repacked at load (quant.packed), where the CPU has VNNI.
 (c) prefill, quant.matmul on 512 activation vectors x the FFN matrix (896 in, 4864 out;
-    K-quants 1024 in), in GFLOP/s next to numpy's float32 X @ W.T of the same shape.
+    K-quants 1024 in), in G(FL)OP/s next to numpy's float32 X @ W.T of the same shape.
 Weights are random blocks with finite scales. Medians of several runs after a warm-up.
 Absolute numbers drift with the machine and its load: compare the ratios to the bandwidth.
 With other jobs on the cores, the 2-thread numbers collapse whenever a worker thread is
@@ -42,6 +43,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
 import quant  # noqa: E402
+from quant import packed  # noqa: E402
 
 # byte offsets of the f16 scale fields inside one block (as tests/conftest.py)
 HALF_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
@@ -108,10 +110,10 @@ def random_weights(type_id: int, rows: int, cols: int, rng) -> np.ndarray:
     return raw
 
 
-def matvec_rate(type_id, raw, cols, runs) -> float:
+def matvec_rate(type_id, w, nbytes, cols, runs) -> float:
     x = np.random.default_rng(1).standard_normal(cols).astype(np.float32)
-    y = np.empty(raw.shape[0], np.float32)
-    return raw.nbytes / median_time(lambda: quant.matvec(type_id, raw, x, y), runs) / 1e9
+    y = np.empty(w.shape[0], np.float32)
+    return nbytes / median_time(lambda: quant.matvec(type_id, w, x, y), runs) / 1e9
 
 
 def matmul_rates(type_id, raw, rows, cols, runs) -> tuple[float, float]:
@@ -145,27 +147,34 @@ def run(threads: list[int], runs: int) -> str:
         bw_range[t] = f"{bw[t]:.1f} GB/s with {t} thread{'s' if t > 1 else ''} (runs {lo:.0f}-{hi:.0f})"
         print(f"read bandwidth: {bw_range[t]}", file=sys.stderr)
 
+    # the file's layout for every type, then the types repacked at load (quant.packed)
+    variants = [(q.name, t, False) for t, q in quant.QTYPES.items()]
+    variants += [(quant.QTYPES[t].name + " repacked", t, True) for t in packed.KINDS if packed.enabled()]
     mv_rows, mm_rows = [], []
-    for type_id, q in quant.QTYPES.items():
+    for name, type_id, pk in variants:
+        q = quant.QTYPES[type_id]
         cells, shapes = {}, []
         for label, shape in (("ffn", FFN), ("head", HEAD)):
             rows, cols = shape_for(q, shape)
             shapes.append(f"{cols} -> {rows} ({rows * q.row_bytes(cols) / 1e6:.{1 if label == 'ffn' else 0}f} MB)")
             raw = random_weights(type_id, rows, cols, rng)
+            w = packed.pack(type_id, raw) if pk else raw
             for t in threads:
                 numba.set_num_threads(t)
-                r = matvec_rate(type_id, raw, cols, runs if label == "ffn" else max(5, runs // 4))
+                r = matvec_rate(type_id, w, raw.nbytes, cols, runs if label == "ffn" else max(5, runs // 4))
                 cells[label, t] = f"{r:.1f} ({100 * r / bw[t]:.0f}%)"
-            del raw
-        mv_rows.append(f"| {q.name} | {'; '.join(shapes)} | " + " | ".join(
+            del raw, w
+        mv_rows.append(f"| {name} | {'; '.join(shapes)} | " + " | ".join(
             f"{cells['ffn', t]} | {cells['head', t]}" for t in threads) + " |")
         print(mv_rows[-1], file=sys.stderr)
 
     numba.set_num_threads(threads[0])
-    for type_id, q in quant.QTYPES.items():
+    for name, type_id, pk in variants:
+        q = quant.QTYPES[type_id]
         rows, cols = FFN[0], 1024 if q.block_size == 256 else FFN[1]
-        ours, ref = matmul_rates(type_id, random_weights(type_id, rows, cols, rng), rows, cols, max(3, runs // 8))
-        mm_rows.append(f"| {q.name} | {BATCH} x {cols} -> {rows} | {ours:.0f} | {ref:.0f} | {ours / ref:.2f} |")
+        raw = random_weights(type_id, rows, cols, rng)
+        ours, ref = matmul_rates(type_id, packed.pack(type_id, raw) if pk else raw, rows, cols, max(3, runs // 8))
+        mm_rows.append(f"| {name} | {BATCH} x {cols} -> {rows} | {ours:.0f} | {ref:.0f} | {ours / ref:.2f} |")
         print(mm_rows[-1], file=sys.stderr)
 
     head = " | ".join(f"FFN, {t}T | head, {t}T" for t in threads)
@@ -183,9 +192,10 @@ def run(threads: list[int], runs: int) -> str:
         *mv_rows,
         "",
         f"Prefill (`quant.matmul`, {BATCH} activation vectors, {threads[0]} numba threads; numpy's BLAS",
-        "with its default threads), GFLOP/s against numpy's float32 `X @ W.T` of the same shape:",
+        "with its default threads), in G(FL)OP/s against numpy's float32 `X @ W.T` of the same shape.",
+        "Quantized types multiply int8 (quant.gemm8) on AVX512-VNNI CPUs, float32 BLAS elsewhere:",
         "",
-        "| type | X x in -> out | quant.matmul GFLOP/s | numpy f32 GFLOP/s | ratio |",
+        "| type | X x in -> out | quant.matmul GOP/s | numpy f32 GFLOP/s | ratio |",
         "|---|---|---|---|---|",
         *mm_rows,
     ]
