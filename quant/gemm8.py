@@ -201,9 +201,23 @@ def _unpack(kind, w, u, j0, so, r, F16):
 # ---------------------------------------------------------------- the GEMM and its activations
 
 @njit(inline="always")
-def _unpack_group(kind, grp, nb, panel, so, F16):
-    """A group of quant.packed (16 rows, nb blocks) into a panel: its chunks are already a
-    panel's 64-byte steps, nibbles split and fifth bits added."""
+def _unpack_group(kind, grp, K, panel, so, F16):
+    """A group of quant.packed (16 rows, all K columns) into a panel: its chunks are already
+    a panel's 64-byte steps, nibbles split (and Q5_0's fifth bits added)."""
+    if kind == PACKED + 3:                # Q4_K: 256-value blocks of 2368 bytes
+        for b in range(K // 256):
+            ob = grp[b * 2368:]
+            for i in range(16):
+                d, dmin = _f16(ob, 2304 + 2 * i, F16), _f16(ob, 2336 + 2 * i, F16)
+                for j in range(8):
+                    _sub(so, i, 8 * b + j, d * np.float32(ob[2048 + 16 * j + i]), -dmin * np.float32(ob[2176 + 16 * j + i]))
+            for k in range(32):           # chunk 8p + c: low nibbles step 16p + c, high 16p + 8 + c
+                lo, hi = panel[(64 * b + 16 * (k >> 3) + (k & 7)) * 64:], panel[(64 * b + 16 * (k >> 3) + 8 + (k & 7)) * 64:]
+                for t in range(64):
+                    lo[t] = ob[64 * k + t] & 15
+                    hi[t] = ob[64 * k + t] >> 4
+        return
+    nb = K // 32
     gb = 544 if kind == PACKED + 2 else 352 if kind == PACKED + 1 else 288
     off = np.float32(128 if kind == PACKED + 2 else 16 if kind == PACKED + 1 else 8)
     for b in range(nb):
@@ -240,7 +254,7 @@ def gemm(raw, kind, S, bsize, tsize, X8, D, Y, F16):
         tmp = np.empty(K, np.uint8)
         t32, p32 = tmp.view(np.uint32), panel.view(np.uint32)
         if kind >= PACKED:
-            _unpack_group(kind, raw[p], K // 32, panel, so, F16)
+            _unpack_group(kind, raw[p], K, panel, so, F16)
             n = 0
         for r in range(n):
             w = raw[16 * p + r]

@@ -1,4 +1,4 @@
-"""Q4_0, Q5_0 and Q8_0 weights repacked at load for AVX512-VNNI decode.
+"""Q4_0, Q5_0, Q8_0 and Q4_K weights repacked at load for AVX512-VNNI decode.
 
 In the file each row is a run of 32-value blocks, so a kernel that walks rows must unpack and
 scale every 32 values on their own (27-30 GB/s here, compute-bound). Repacked, 16 rows share
@@ -13,8 +13,13 @@ Per group of 16 rows and block b (the same number of bytes as the file's 16 bloc
   Q5_0 (352): the same 4 chunks; then per chunk c two 64-bit planes of fifth bits, bit 4i+j
               = bit 4c+j (low) and bit 16+4c+j (high) of row i's qh; then 16 f16 d.
   Q8_0 (544): 8 chunks, chunk c byte 4i+j = row i's value 4c+j + 128 (unsigned); 16 f16 d.
+  Q4_K (2368, 256 values): 32 chunks, chunk 8p+c byte 4i+j = row i's qs byte 32p+4c+j (low
+              nibble value 64p+4c+j, high 64p+32+4c+j); then the 8 six-bit scales and the
+              8 mins as bytes, [j][row]; then 16 f16 d and 16 f16 dmin (64 bytes more than
+              the file's 16 blocks: the scales unpacked).
 The unsigned values carry an offset (8, 16, 128) that comes off through the block's sum of
-activations: sum (u - off) x = sum u x - off * sum x.
+activations: sum (u - off) x = sum u x - off * sum x. Q4_K computes per block and row what
+the row kernels do (kquants._k4_term): xd * (d * sum_j sc_j q.x - dmin * sum_j m_j bsum_j).
 
 A copy: the file's pages of a repacked tensor are released (GGUFFile.release), so resident
 memory stays the size of the weights. NUMBAT_REPACK=0 keeps the file's layout.
@@ -31,15 +36,15 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from quant.act import quantize_q8_0
+from quant.kquants import ROWS, _byte, _k4_scales, _x_scratch, quantize_rows
 from quant.gemm8 import I8, I32, F32, V64B, V16I, V16F, _ptr, _splat
 from quant.vnni import AVAILABLE
 
 I1 = ir.IntType(1)
-# kind: (file block bytes, group-block bytes, offset of the unsigned values)
-Q4_0, Q5_0, Q8_0 = 0, 1, 2
-LAYOUT = {Q4_0: (18, 288, 8), Q5_0: (22, 352, 16), Q8_0: (34, 544, 128)}
-KINDS = {T.Q4_0: Q4_0, T.Q5_0: Q5_0, T.Q8_0: Q8_0}
-GB = np.array([LAYOUT[k][1] for k in range(3)], np.int64)
+# kind: (file block bytes, group-block bytes, offset of the unsigned values, values per block)
+Q4_0, Q5_0, Q8_0, Q4_K = 0, 1, 2, 3
+LAYOUT = {Q4_0: (18, 288, 8, 32), Q5_0: (22, 352, 16, 32), Q8_0: (34, 544, 128, 32), Q4_K: (144, 2368, 0, 256)}
+KINDS = {T.Q4_0: Q4_0, T.Q5_0: Q5_0, T.Q8_0: Q8_0, T.Q4_K: Q4_K}
 
 
 class Packed:
@@ -91,17 +96,46 @@ def _repack(raw, kind, out):
                             o[ob + 128 + 8 * c + 4 * h + i // 4] |= np.uint16(nib << np.uint32(4 * (i % 4)))
 
 
+@njit(parallel=True, cache=True)
+def _repack_q4_K(raw, out):
+    """In 32-bit words for the quants (the file's blocks are 36 words), bytes for the rest."""
+    nb = raw.shape[1] // 144
+    r32, o32 = raw.view(np.uint32), out.view(np.uint32)
+    r16, o16 = raw.view(np.uint16), out.view(np.uint16)
+    for g in prange(raw.shape[0] // 16):
+        o, o4, o2 = out[g], o32[g], o16[g]
+        for i in range(16):
+            w, w4, w2 = raw[16 * g + i], r32[16 * g + i], r16[16 * g + i]
+            for b in range(nb):
+                for k in range(32):             # chunk k = 8p + c holds qs word 8p + c
+                    o4[b * 592 + 16 * k + i] = w4[b * 36 + 4 + k]
+                sm = _k4_scales(w, b * 144 + 4)
+                for j in range(8):
+                    o[b * 2368 + 2048 + 16 * j + i] = _byte(sm[j >> 2], j & 3)
+                    o[b * 2368 + 2176 + 16 * j + i] = _byte(sm[2 + (j >> 2)], j & 3)
+                o2[b * 1184 + 1152 + i] = w2[b * 72]          # d
+                o2[b * 1184 + 1168 + i] = w2[b * 72 + 1]      # dmin
+
+
+def packed_bytes(type_id: int, shape) -> int:
+    bs, gb, _, _ = LAYOUT[KINDS[type_id]]
+    return shape[0] // 16 * (shape[1] // bs) * gb
+
+
 def pack(type_id: int, raw: np.ndarray, out: np.ndarray | None = None) -> Packed:
     """raw (rows, row_bytes) repacked into out (uint8, at least packed_bytes) or a new array."""
     kind = KINDS[type_id]
-    rows, gb = raw.shape[0], LAYOUT[kind][1]
-    nb = raw.shape[1] // LAYOUT[kind][0]
-    n = rows // 16 * nb * gb
+    rows, (bs, gb, _, nv) = raw.shape[0], LAYOUT[kind]
+    nb = raw.shape[1] // bs
+    n = packed_bytes(type_id, raw.shape)
     out = (np.empty(n, np.uint8) if out is None else out[:n]).reshape(rows // 16, nb * gb)
     if kind == Q5_0:
         out[:, :] = 0       # the bit planes are or-ed in
-    _repack(raw, kind, out)
-    return Packed(type_id, out, rows, nb * 32)
+    if kind == Q4_K:
+        _repack_q4_K(raw, out)
+    else:
+        _repack(raw, kind, out)
+    return Packed(type_id, out, rows, nb * nv)
 
 
 def pack_file(f, names) -> dict:
@@ -110,107 +144,188 @@ def pack_file(f, names) -> dict:
     mapped pages released after. 0.5b: about 0.1 s for 220 MB. (Reading the file with read()
     instead of the mapping took 0.44 s here for the same bytes.)"""
     todo = [n for n in names if supports(f.tensors[n].type_id, f.raw(n).shape[0])]
-    arena = np.empty(sum(f.tensors[n].nbytes for n in todo), np.uint8)
+    sizes = [packed_bytes(f.tensors[n].type_id, f.raw(n).shape) for n in todo]
+    arena = np.empty(sum(sizes), np.uint8)
     out, at = {}, 0
-    for n in todo:
-        t = f.tensors[n]
-        out[n] = pack(t.type_id, f.raw(n), arena[at:at + t.nbytes])
+    for n, size in zip(todo, sizes):
+        out[n] = pack(f.tensors[n].type_id, f.raw(n), arena[at:at + size])
         f.release(n)
-        at += t.nbytes
+        at += size
     return out
 
 
-def _rows16(kind):
-    """y[16g:16g+16] = group g of pk (2-D) . x, over nb blocks: xq int8, xd (nb,) float32
-    scales, isum (nb,) int32 block sums of xq."""
-    _, gb, off = LAYOUT[kind]
+def _rows16(kind, n_tok):
+    """Y[t0 + t, 16g:16g+16] = group g of pk (2-D) . X[t0 + t] for t < n_tok, over nb blocks:
+    X as xq (T, n) int8, xd (T, blocks) float32 scales, isum (T, .) int32 sums of xq per 32
+    values. Each token's lanes go through the same operations for any n_tok (verification
+    gets decode's bits); the weights are loaded and unpacked once for all n_tok."""
+    _, gb, off, _ = LAYOUT[kind]
 
     @intrinsic
-    def rows16(typingctx, pk, g, nb, xq, xd, isum, y):
+    def rows16(typingctx, pk, g, nb, xq, xd, isum, y, t0):
         def codegen(context, builder, sig, args):
-            apk, ag, anb, axq, axd, aisum, ay = args
-            tpk, txq = sig.args[0], sig.args[3]
+            apk, ag, anb, axq, axd, aisum, ay, at0 = args
+            tpk, txq, txd, tis, ty = sig.args[0], sig.args[3], sig.args[4], sig.args[5], sig.args[6]
             i64 = ag.type
             c = lambda v: ir.Constant(i64, v)
             pkarr = context.make_array(tpk)(context, builder, apk)
-            stride = cgutils.unpack_tuple(builder, pkarr.strides, 2)[0]
-            gbase = builder.mul(ag, stride)
+            gbase = builder.mul(ag, cgutils.unpack_tuple(builder, pkarr.strides, 2)[0])
+            dim1 = lambda ty, a: cgutils.unpack_tuple(builder, context.make_array(ty)(context, builder, a).shape, 2)[1]
+            ldx, ldd, lds, ldy = dim1(txq, axq), dim1(txd, axd), dim1(tis, aisum), dim1(ty, ay)
+            row = lambda t, ld: builder.mul(builder.add(at0, c(t)), ld)
             dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16I, [V16I, V64B, V64B]),
                                                     "llvm.x86.avx512.vpdpbusd.512")
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F] * 3), "llvm.fma.v16f32")
             base = builder.bitcast(pkarr.data, I8.as_pointer())
 
-            def load(o, ty, align=1):
-                return builder.load(builder.bitcast(builder.gep(base, [o]), ty.as_pointer()), align=align)
+            def load(o, ty):
+                return builder.load(builder.bitcast(builder.gep(base, [o]), ty.as_pointer()), align=1)
 
-            def xword(o):
-                w = builder.load(_ptr(context, builder, txq, axq, o, I32), align=1)
+            def xword(t, o):          # 4 activation bytes of token t, broadcast
+                w = builder.load(_ptr(context, builder, txq, axq, builder.add(row(t, ldx), o), I32), align=1)
                 return builder.bitcast(_splat(builder, w, V16I), V64B)
 
-            acc = cgutils.alloca_once_value(builder, ir.Constant(V16F, None))
-            low4 = ir.Constant(V64B, [15] * 64)
+            def scalar(ty, a, t, ld, o, lty):
+                return builder.load(_ptr(context, builder, ty, a, builder.add(row(t, ld), o), lty))
+
+            def bytes16(o):           # 16 unsigned bytes as int32 lanes
+                return builder.zext(load(o, ir.VectorType(I8, 16)), V16I)
+
+            def halves16(o):
+                return builder.fpext(load(o, ir.VectorType(ir.HalfType(), 16)), V16F)
+
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(n_tok)]
+            low4, zero = ir.Constant(V64B, [15] * 64), ir.Constant(V16I, None)
             with cgutils.for_range(builder, anb) as loop:
                 b = loop.index
                 o = builder.add(gbase, builder.mul(b, c(gb)))
-                x0 = builder.mul(b, c(32))
-                ia = ir.Constant(V16I, None)
-                if kind == Q8_0:
-                    for ch in range(8):
-                        u = load(builder.add(o, c(64 * ch)), V64B)
-                        ia = builder.call(dpbusd, [ia, u, xword(builder.add(x0, c(4 * ch)))])
+                if kind == Q4_K:
+                    x0 = builder.mul(b, c(256))
+                    ia = [zero] * n_tok
+                    for p in range(4):
+                        dlo, dhi = [zero] * n_tok, [zero] * n_tok
+                        for ch in range(8):
+                            q = load(builder.add(o, c(64 * (8 * p + ch))), V64B)
+                            lo, hi = builder.and_(q, low4), builder.lshr(q, ir.Constant(V64B, [4] * 64))
+                            for t in range(n_tok):
+                                dlo[t] = builder.call(dpbusd, [dlo[t], lo, xword(t, builder.add(x0, c(64 * p + 4 * ch)))])
+                                dhi[t] = builder.call(dpbusd, [dhi[t], hi, xword(t, builder.add(x0, c(64 * p + 32 + 4 * ch)))])
+                        sl, sh = bytes16(builder.add(o, c(2048 + 32 * p))), bytes16(builder.add(o, c(2064 + 32 * p)))
+                        for t in range(n_tok):
+                            ia[t] = builder.add(ia[t], builder.add(builder.mul(dlo[t], sl), builder.mul(dhi[t], sh)))
+                    d, dmin = halves16(builder.add(o, c(2304))), halves16(builder.add(o, c(2336)))
+                    m = [bytes16(builder.add(o, c(2176 + 16 * j))) for j in range(8)]
+                    for t in range(n_tok):
+                        mins = zero
+                        for j in range(8):
+                            bs = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(8)), c(j)), I32)
+                            mins = builder.add(mins, builder.mul(m[j], _splat(builder, bs, V16I)))
+                        dx = scalar(txd, axd, t, ldd, b, F32)
+                        v = builder.fsub(builder.fmul(d, builder.sitofp(ia[t], V16F)), builder.fmul(dmin, builder.sitofp(mins, V16F)))
+                        builder.store(builder.fadd(builder.load(acc[t]), builder.fmul(_splat(builder, dx, V16F), v)), acc[t])
                 else:
-                    for ch in range(4):
-                        q = load(builder.add(o, c(64 * ch)), V64B)
-                        lo = builder.and_(q, low4)
-                        hi = builder.lshr(q, ir.Constant(V64B, [4] * 64))
-                        if kind == Q5_0:
-                            sixteen, zero = ir.Constant(V64B, [16] * 64), ir.Constant(V64B, [0] * 64)
-                            for half in range(2):
-                                m = load(builder.add(o, c(256 + 16 * ch + 8 * half)), ir.IntType(64))
-                                bits = builder.select(builder.bitcast(m, ir.VectorType(I1, 64)), sixteen, zero)
-                                if half == 0:
-                                    lo = builder.or_(lo, bits)
-                                else:
-                                    hi = builder.or_(hi, bits)
-                        ia = builder.call(dpbusd, [ia, lo, xword(builder.add(x0, c(4 * ch)))])
-                        ia = builder.call(dpbusd, [ia, hi, xword(builder.add(x0, c(16 + 4 * ch)))])
-                s = builder.load(_ptr(context, builder, sig.args[5], aisum, b, I32))
-                ia = builder.sub(ia, _splat(builder, builder.mul(s, ir.Constant(I32, off)), V16I))
-                d = builder.fpext(load(builder.add(o, c(gb - 32)), ir.VectorType(ir.HalfType(), 16)), V16F)
-                dx = builder.load(_ptr(context, builder, sig.args[4], axd, b, F32))
-                builder.store(builder.call(fma, [builder.sitofp(ia, V16F), builder.fmul(d, _splat(builder, dx, V16F)),
-                                                 builder.load(acc)]), acc)
-            builder.store(builder.load(acc), _ptr(context, builder, sig.args[6], ay, builder.mul(ag, c(16)), V16F), align=4)
+                    x0 = builder.mul(b, c(32))
+                    ia = [zero] * n_tok
+                    if kind == Q8_0:
+                        for ch in range(8):
+                            u = load(builder.add(o, c(64 * ch)), V64B)
+                            for t in range(n_tok):
+                                ia[t] = builder.call(dpbusd, [ia[t], u, xword(t, builder.add(x0, c(4 * ch)))])
+                    else:
+                        for ch in range(4):
+                            q = load(builder.add(o, c(64 * ch)), V64B)
+                            lo, hi = builder.and_(q, low4), builder.lshr(q, ir.Constant(V64B, [4] * 64))
+                            if kind == Q5_0:
+                                sixteen, none = ir.Constant(V64B, [16] * 64), ir.Constant(V64B, [0] * 64)
+                                for half in range(2):
+                                    mk = load(builder.add(o, c(256 + 16 * ch + 8 * half)), ir.IntType(64))
+                                    bits = builder.select(builder.bitcast(mk, ir.VectorType(I1, 64)), sixteen, none)
+                                    if half == 0:
+                                        lo = builder.or_(lo, bits)
+                                    else:
+                                        hi = builder.or_(hi, bits)
+                            for t in range(n_tok):
+                                ia[t] = builder.call(dpbusd, [ia[t], lo, xword(t, builder.add(x0, c(4 * ch)))])
+                                ia[t] = builder.call(dpbusd, [ia[t], hi, xword(t, builder.add(x0, c(16 + 4 * ch)))])
+                    d = halves16(builder.add(o, c(gb - 32)))
+                    for t in range(n_tok):
+                        s = scalar(tis, aisum, t, lds, b, I32)
+                        v = builder.sub(ia[t], _splat(builder, builder.mul(s, ir.Constant(I32, off)), V16I))
+                        dx = scalar(txd, axd, t, ldd, b, F32)
+                        builder.store(builder.call(fma, [builder.sitofp(v, V16F), builder.fmul(d, _splat(builder, dx, V16F)),
+                                                         builder.load(acc[t])]), acc[t])
+            for t in range(n_tok):
+                dst = _ptr(context, builder, ty, ay, builder.add(row(t, ldy), builder.mul(ag, c(16))), V16F)
+                builder.store(builder.load(acc[t]), dst, align=4)
             return context.get_dummy_value()
-        return types.none(pk, g, nb, xq, xd, isum, y), codegen
+        return types.none(pk, g, nb, xq, xd, isum, y, t0), codegen
     return rows16
 
 
-_q4_0, _q5_0, _q8_0 = _rows16(Q4_0), _rows16(Q5_0), _rows16(Q8_0)
+# per kind: one token (decode) and four at a time (verification of a few tokens)
+_q4_0_1, _q5_0_1, _q8_0_1, _q4_K_1 = (_rows16(k, 1) for k in range(4))
+_q4_0_4, _q5_0_4, _q8_0_4, _q4_K_4 = (_rows16(k, 4) for k in range(4))
+
+
+@njit(inline="always")
+def _group(kind, pk, g, nb, xq, xd, isum, y, t0, four):
+    if four:
+        if kind == Q4_0:
+            _q4_0_4(pk, g, nb, xq, xd, isum, y, t0)
+        elif kind == Q5_0:
+            _q5_0_4(pk, g, nb, xq, xd, isum, y, t0)
+        elif kind == Q8_0:
+            _q8_0_4(pk, g, nb, xq, xd, isum, y, t0)
+        else:
+            _q4_K_4(pk, g, nb, xq, xd, isum, y, t0)
+    elif kind == Q4_0:
+        _q4_0_1(pk, g, nb, xq, xd, isum, y, t0)
+    elif kind == Q5_0:
+        _q5_0_1(pk, g, nb, xq, xd, isum, y, t0)
+    elif kind == Q8_0:
+        _q8_0_1(pk, g, nb, xq, xd, isum, y, t0)
+    else:
+        _q4_K_1(pk, g, nb, xq, xd, isum, y, t0)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _matvec(pk, kind, nb, xq, xd, isum, y):
+def _matmul(pk, kind, nb, xq, xd, isum, y):
+    """y (T, rows) for the T tokens of xq: four at a time, then one."""
+    T4 = xq.shape[0] // 4 * 4
     for g in prange(pk.shape[0]):
-        if kind == Q4_0:
-            _q4_0(pk, g, nb, xq, xd, isum, y)
-        elif kind == Q5_0:
-            _q5_0(pk, g, nb, xq, xd, isum, y)
-        else:
-            _q8_0(pk, g, nb, xq, xd, isum, y)
+        for t0 in range(0, T4, 4):
+            _group(kind, pk, g, nb, xq, xd, isum, y, t0, True)
+        for t0 in range(T4, xq.shape[0]):
+            _group(kind, pk, g, nb, xq, xd, isum, y, t0, False)
+
+
+def _quantized(p: Packed, X: np.ndarray):
+    """X (T, cols) as the kernels read it: Q8_K for Q4_K (sums per 32), Q8_0 otherwise."""
+    if p.kind == Q4_K:
+        xq, xd, bs16, bs32 = (b[:X.shape[0]] for b in _x_scratch(p.cols, np.int8, ROWS))
+        quantize_rows(X, xq, xd, bs16, bs32)
+        return xq, xd, bs32, p.cols // 256
+    buf = _xbuf.get(p.cols)
+    if buf is None:
+        n = p.cols
+        buf = _xbuf[n] = (np.empty((ROWS, n), np.int8), np.empty((ROWS, n // 32), np.float32),
+                          np.empty(n // 32, np.float32), np.empty((ROWS, n // 32), np.int32))
+    xq, xd, xs, isum = buf
+    for i in range(X.shape[0]):
+        quantize_q8_0(X[i], xq[i], xd[i], xs, isum[i])
+    return xq[:X.shape[0]], xd[:X.shape[0]], isum[:X.shape[0]], p.cols // 32
 
 
 _xbuf: dict[int, tuple] = {}
 
 
+def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray) -> None:
+    """Y (T, rows) for X (T, cols), T <= ROWS; each row of Y has the bits matvec gives."""
+    if X.shape[1] != p.cols:
+        raise ValueError(f"{T(p.type_id).name}: {p.cols} inputs expected, got {X.shape[1]}")
+    xq, xd, isum, nb = _quantized(p, X)
+    _matmul(p.data, p.kind, nb, xq, xd, isum, Y)
+
+
 def matvec(p: Packed, x: np.ndarray, y: np.ndarray) -> None:
-    if x.shape[0] != p.cols:
-        raise ValueError(f"{T(p.type_id).name} matvec: {p.cols} inputs expected, got {x.shape[0]}")
-    buf = _xbuf.get(p.cols)
-    if buf is None:
-        n = p.cols
-        buf = _xbuf[n] = (np.empty(n, np.int8), np.empty(n // 32, np.float32), np.empty(n // 32, np.float32),
-                          np.empty(n // 32, np.int32))
-    xq, xd, xs, isum = buf
-    quantize_q8_0(x, xq, xd, xs, isum)
-    _matvec(p.data, p.kind, p.cols // 32, xq, xd, isum, y)
+    matmul_rows(p, x[None], y[None])

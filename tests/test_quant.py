@@ -139,10 +139,10 @@ def test_kernels_take_readonly_memmap_views():
     np.testing.assert_allclose(y, gq.dequantize(raw, T.Q4_0) @ act_reference(T.Q4_0, x), rtol=1e-5, atol=1e-5)
 
 
-# Q4_0/Q5_0/Q8_0 repacked at load (quant.packed): the 16-row kernels sum the same integers
-# and apply the same float steps per block as the row kernels of Q4_0/Q5_0, so their results
-# are those bits; Q8_0's row kernel scales lanes in another order, so it is held to the float
-# reference instead. Prefill from the repacked bytes multiplies the same values as from the file.
+# Q4_0/Q5_0/Q8_0/Q4_K repacked at load (quant.packed): the 16-row kernels sum the same
+# integers and apply the same float steps per block as the row kernels of Q4_0/Q5_0/Q4_K, so
+# their results are those bits; Q8_0's row kernel scales lanes in another order, so it is held
+# to the float reference instead. Prefill from the repacked bytes multiplies the same values as from the file.
 @pytest.mark.skipif(not packed.enabled(), reason="repacking needs AVX512-VNNI (and NUMBAT_REPACK unset)")
 @pytest.mark.parametrize("type_id", sorted(packed.KINDS), ids=lambda t: T(t).name)
 @pytest.mark.parametrize("rows,nb", [(16, 1), (48, 3), (160, 28)])
@@ -150,7 +150,8 @@ def test_packed_matches_file_layout(type_id, rows, nb):
     rng = np.random.default_rng(rows + nb)
     raw = random_blocks(type_id, rows, nb, rng)
     p = packed.pack(type_id, raw)
-    x = rng.standard_normal(nb * 32).astype(np.float32)
+    n = nb * quant.QTYPES[type_id].block_size
+    x = rng.standard_normal(n).astype(np.float32)
     y, ref = np.full(rows, np.nan, np.float32), np.full(rows, np.nan, np.float32)
     quant.matvec(type_id, p, x, y)
     quant.matvec(type_id, raw, x, ref)
@@ -159,13 +160,20 @@ def test_packed_matches_file_layout(type_id, rows, nb):
         assert (np.abs(y - W @ xr) / (np.abs(W) @ np.abs(xr))).max() < TOL
     else:
         np.testing.assert_array_equal(y, ref)
-    X = rng.standard_normal((21, nb * 32)).astype(np.float32)
+    X = rng.standard_normal((21, n)).astype(np.float32)
     Y, YR = np.full((21, rows), np.nan, np.float32), np.full((21, rows), np.nan, np.float32)
     quant.matmul(type_id, p, X, Y)
     quant.matmul(type_id, raw, X, YR)
     np.testing.assert_array_equal(Y, YR)
+    # a few tokens at once (speculative verification): each row decode's bits
+    for t in (2, 7):
+        Y = np.full((t, rows), np.nan, np.float32)
+        packed.matmul_rows(p, X[:t], Y)
+        for i in range(t):
+            quant.matvec(type_id, p, X[i], y)
+            np.testing.assert_array_equal(Y[i], y)
 
 
 def test_packed_only_whole_groups():
     assert not packed.supports(T.Q4_0, 40)          # 16 rows per group
-    assert not packed.supports(T.Q4_K, 64)          # K-quants keep the file's layout
+    assert not packed.supports(T.Q6_K, 64)          # Q6_K keeps the file's layout
