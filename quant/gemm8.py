@@ -204,6 +204,24 @@ def _unpack(kind, w, u, j0, so, r, F16):
 def _unpack_group(kind, grp, K, panel, so, F16):
     """A group of quant.packed (16 rows, all K columns) into a panel: its chunks are already
     a panel's 64-byte steps, nibbles split (and Q5_0's fifth bits added)."""
+    if kind == PACKED + 4:                # Q6_K: ql chunks, then qh chunks (quant.packed)
+        for b in range(K // 256):
+            ob = grp[b * 3360:]
+            for i in range(16):
+                d = _f16(ob, 3328 + 2 * i, F16)
+                for j in range(16):
+                    dl = d * np.float32(np.int8(ob[3072 + 16 * j + i]))
+                    _sub(so, i, 16 * b + j, dl, -dl * np.float32(32))
+            for h in range(2):
+                for k in range(2):
+                    for c in range(8):
+                        ql, qh = ob[64 * (16 * h + 8 * k + c):], ob[64 * (32 + 8 * h + c):]
+                        lo = panel[(64 * b + 32 * h + 8 * k + c) * 64:]
+                        hi = panel[(64 * b + 32 * h + 8 * (k + 2) + c) * 64:]
+                        for t in range(64):
+                            lo[t] = (ql[t] & 15) | (((qh[t] >> (2 * k)) & 3) << 4)
+                            hi[t] = (ql[t] >> 4) | (((qh[t] >> (2 * k + 4)) & 3) << 4)
+        return
     if kind == PACKED + 3:                # Q4_K: 256-value blocks of 2368 bytes
         for b in range(K // 256):
             ob = grp[b * 2368:]

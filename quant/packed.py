@@ -42,9 +42,10 @@ from quant.vnni import AVAILABLE
 
 I1 = ir.IntType(1)
 # kind: (file block bytes, group-block bytes, offset of the unsigned values, values per block)
-Q4_0, Q5_0, Q8_0, Q4_K = 0, 1, 2, 3
-LAYOUT = {Q4_0: (18, 288, 8, 32), Q5_0: (22, 352, 16, 32), Q8_0: (34, 544, 128, 32), Q4_K: (144, 2368, 0, 256)}
-KINDS = {T.Q4_0: Q4_0, T.Q5_0: Q5_0, T.Q8_0: Q8_0, T.Q4_K: Q4_K}
+Q4_0, Q5_0, Q8_0, Q4_K, Q6_K = 0, 1, 2, 3, 4
+LAYOUT = {Q4_0: (18, 288, 8, 32), Q5_0: (22, 352, 16, 32), Q8_0: (34, 544, 128, 32), Q4_K: (144, 2368, 0, 256),
+          Q6_K: (210, 3360, 32, 256)}
+KINDS = {T.Q4_0: Q4_0, T.Q5_0: Q5_0, T.Q8_0: Q8_0, T.Q4_K: Q4_K, T.Q6_K: Q6_K}
 
 
 class Packed:
@@ -117,6 +118,25 @@ def _repack_q4_K(raw, out):
                 o2[b * 1184 + 1168 + i] = w2[b * 72 + 1]      # dmin
 
 
+@njit(parallel=True, cache=True)
+def _repack_q6_K(raw, out):
+    """In 16-bit words (blocks are 105 words): ql word pair m -> chunk m, qh pair m -> chunk
+    32 + m, scales and d as bytes and words."""
+    nb = raw.shape[1] // 210
+    r16, o16 = raw.view(np.uint16), out.view(np.uint16)
+    for g in prange(raw.shape[0] // 16):
+        o, o2 = out[g], o16[g]
+        for i in range(16):
+            w, w2 = raw[16 * g + i], r16[16 * g + i]
+            for b in range(nb):
+                for m in range(48):
+                    o2[b * 1680 + 32 * m + 2 * i] = w2[b * 105 + 2 * m]
+                    o2[b * 1680 + 32 * m + 2 * i + 1] = w2[b * 105 + 2 * m + 1]
+                for j in range(16):
+                    o[b * 3360 + 3072 + 16 * j + i] = w[b * 210 + 192 + j]
+                o2[b * 1680 + 1664 + i] = w2[b * 105 + 104]       # d
+
+
 def packed_bytes(type_id: int, shape) -> int:
     bs, gb, _, _ = LAYOUT[KINDS[type_id]]
     return shape[0] // 16 * (shape[1] // bs) * gb
@@ -133,6 +153,8 @@ def pack(type_id: int, raw: np.ndarray, out: np.ndarray | None = None) -> Packed
         out[:, :] = 0       # the bit planes are or-ed in
     if kind == Q4_K:
         _repack_q4_K(raw, out)
+    elif kind == Q6_K:
+        _repack_q6_K(raw, out)
     else:
         _repack(raw, kind, out)
     return Packed(type_id, out, rows, nb * nv)
@@ -199,7 +221,38 @@ def _rows16(kind, n_tok):
             with cgutils.for_range(builder, anb) as loop:
                 b = loop.index
                 o = builder.add(gbase, builder.mul(b, c(gb)))
-                if kind == Q4_K:
+                if kind == Q6_K:
+                    x0 = builder.mul(b, c(256))
+                    ia = [zero] * n_tok
+                    three = ir.Constant(V64B, [3] * 64)
+                    for h in range(2):
+                        for half in range(2):
+                            dots = [[zero] * n_tok for _ in range(4)]
+                            for ch in range(4 * half, 4 * half + 4):
+                                hb = load(builder.add(o, c(64 * (32 + 8 * h + ch))), V64B)
+                                for k in range(2):
+                                    ql = load(builder.add(o, c(64 * (16 * h + 8 * k + ch))), V64B)
+                                    for s_, nib in ((k, builder.and_(ql, low4)), (k + 2, builder.lshr(ql, ir.Constant(V64B, [4] * 64)))):
+                                        top = builder.and_(builder.lshr(hb, ir.Constant(V64B, [2 * s_] * 64)), three)
+                                        u = builder.or_(nib, builder.shl(top, ir.Constant(V64B, [4] * 64)))
+                                        for t in range(n_tok):
+                                            xo = builder.add(x0, c(128 * h + 32 * s_ + 4 * ch))
+                                            dots[s_][t] = builder.call(dpbusd, [dots[s_][t], u, xword(t, xo)])
+                            for s_ in range(4):
+                                sc = builder.sext(load(builder.add(o, c(3072 + 16 * (8 * h + 2 * s_ + half))), ir.VectorType(I8, 16)), V16I)
+                                for t in range(n_tok):
+                                    ia[t] = builder.add(ia[t], builder.mul(dots[s_][t], sc))
+                    d = halves16(builder.add(o, c(3328)))
+                    for t in range(n_tok):
+                        offs = zero
+                        for j in range(16):
+                            sc = builder.sext(load(builder.add(o, c(3072 + 16 * j)), ir.VectorType(I8, 16)), V16I)
+                            bs = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(j)), I32)
+                            offs = builder.add(offs, builder.mul(sc, _splat(builder, bs, V16I)))
+                        v = builder.sitofp(builder.sub(ia[t], builder.mul(offs, ir.Constant(V16I, [32] * 16))), V16F)
+                        dx = scalar(txd, axd, t, ldd, b, F32)
+                        builder.store(builder.fadd(builder.load(acc[t]), builder.fmul(_splat(builder, dx, V16F), builder.fmul(d, v))), acc[t])
+                elif kind == Q4_K:
                     x0 = builder.mul(b, c(256))
                     ia = [zero] * n_tok
                     for p in range(4):
@@ -263,8 +316,8 @@ def _rows16(kind, n_tok):
 
 
 # per kind: one token (decode) and four at a time (verification of a few tokens)
-_q4_0_1, _q5_0_1, _q8_0_1, _q4_K_1 = (_rows16(k, 1) for k in range(4))
-_q4_0_4, _q5_0_4, _q8_0_4, _q4_K_4 = (_rows16(k, 4) for k in range(4))
+_q4_0_1, _q5_0_1, _q8_0_1, _q4_K_1, _q6_K_1 = (_rows16(k, 1) for k in range(5))
+_q4_0_4, _q5_0_4, _q8_0_4, _q4_K_4, _q6_K_4 = (_rows16(k, 4) for k in range(5))
 
 
 @njit(inline="always")
@@ -276,16 +329,20 @@ def _group(kind, pk, g, nb, xq, xd, isum, y, t0, four):
             _q5_0_4(pk, g, nb, xq, xd, isum, y, t0)
         elif kind == Q8_0:
             _q8_0_4(pk, g, nb, xq, xd, isum, y, t0)
-        else:
+        elif kind == Q4_K:
             _q4_K_4(pk, g, nb, xq, xd, isum, y, t0)
+        else:
+            _q6_K_4(pk, g, nb, xq, xd, isum, y, t0)
     elif kind == Q4_0:
         _q4_0_1(pk, g, nb, xq, xd, isum, y, t0)
     elif kind == Q5_0:
         _q5_0_1(pk, g, nb, xq, xd, isum, y, t0)
     elif kind == Q8_0:
         _q8_0_1(pk, g, nb, xq, xd, isum, y, t0)
-    else:
+    elif kind == Q4_K:
         _q4_K_1(pk, g, nb, xq, xd, isum, y, t0)
+    else:
+        _q6_K_1(pk, g, nb, xq, xd, isum, y, t0)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -301,10 +358,10 @@ def _matmul(pk, kind, nb, xq, xd, isum, y):
 
 def _quantized(p: Packed, X: np.ndarray):
     """X (T, cols) as the kernels read it: Q8_K for Q4_K (sums per 32), Q8_0 otherwise."""
-    if p.kind == Q4_K:
+    if p.kind in (Q4_K, Q6_K):
         xq, xd, bs16, bs32 = (b[:X.shape[0]] for b in _x_scratch(p.cols, np.int8, ROWS))
         quantize_rows(X, xq, xd, bs16, bs32)
-        return xq, xd, bs32, p.cols // 256
+        return xq, xd, bs32 if p.kind == Q4_K else bs16, p.cols // 256
     buf = _xbuf.get(p.cols)
     if buf is None:
         n = p.cols

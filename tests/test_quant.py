@@ -139,7 +139,7 @@ def test_kernels_take_readonly_memmap_views():
     np.testing.assert_allclose(y, gq.dequantize(raw, T.Q4_0) @ act_reference(T.Q4_0, x), rtol=1e-5, atol=1e-5)
 
 
-# Q4_0/Q5_0/Q8_0/Q4_K repacked at load (quant.packed): the 16-row kernels sum the same
+# Q4_0/Q5_0/Q8_0/Q4_K/Q6_K repacked at load (quant.packed): the 16-row kernels sum the same
 # integers and apply the same float steps per block as the row kernels of Q4_0/Q5_0/Q4_K, so
 # their results are those bits; Q8_0's row kernel scales lanes in another order, so it is held
 # to the float reference instead. Prefill from the repacked bytes multiplies the same values as from the file.
@@ -176,4 +176,4 @@ def test_packed_matches_file_layout(type_id, rows, nb):
 
 def test_packed_only_whole_groups():
     assert not packed.supports(T.Q4_0, 40)          # 16 rows per group
-    assert not packed.supports(T.Q6_K, 64)          # Q6_K keeps the file's layout
+    assert not packed.supports(T.Q5_K, 64)          # Q5_K keeps the file's layout
