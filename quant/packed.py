@@ -356,32 +356,50 @@ def _matmul(pk, kind, nb, xq, xd, isum, y):
             _group(kind, pk, g, nb, xq, xd, isum, y, t0, False)
 
 
-def _quantized(p: Packed, X: np.ndarray):
-    """X (T, cols) as the kernels read it: Q8_K for Q4_K (sums per 32), Q8_0 otherwise."""
+def _quantized(p: Packed, X: np.ndarray, m: int):
+    """X (T, cols) as the kernels read it (Q8_K for the K-quants, with sums per 32 for Q4_K
+    and per 16 for Q6_K; Q8_0 otherwise), padded with zero rows to m >= T."""
+    n = X.shape[0]
     if p.kind in (Q4_K, Q6_K):
-        xq, xd, bs16, bs32 = (b[:X.shape[0]] for b in _x_scratch(p.cols, np.int8, ROWS))
-        quantize_rows(X, xq, xd, bs16, bs32)
-        return xq, xd, bs32 if p.kind == Q4_K else bs16, p.cols // 256
-    buf = _xbuf.get(p.cols)
-    if buf is None:
-        n = p.cols
-        buf = _xbuf[n] = (np.empty((ROWS, n), np.int8), np.empty((ROWS, n // 32), np.float32),
-                          np.empty(n // 32, np.float32), np.empty((ROWS, n // 32), np.int32))
-    xq, xd, xs, isum = buf
-    for i in range(X.shape[0]):
-        quantize_q8_0(X[i], xq[i], xd[i], xs, isum[i])
-    return xq[:X.shape[0]], xd[:X.shape[0]], isum[:X.shape[0]], p.cols // 32
+        xq, xd, bs16, bs32 = (b[:m] for b in _x_scratch(p.cols, np.int8, ROWS))
+        quantize_rows(X, xq[:n], xd[:n], bs16[:n], bs32[:n])
+        out = xq, xd, bs32 if p.kind == Q4_K else bs16, p.cols // 256
+    else:
+        buf = _xbuf.get(p.cols)
+        if buf is None:
+            c = p.cols
+            buf = _xbuf[c] = (np.empty((ROWS, c), np.int8), np.empty((ROWS, c // 32), np.float32),
+                              np.empty(c // 32, np.float32), np.empty((ROWS, c // 32), np.int32))
+        xq, xd, xs, isum = buf
+        for i in range(n):
+            quantize_q8_0(X[i], xq[i], xd[i], xs, isum[i])
+        out = xq[:m], xd[:m], isum[:m], p.cols // 32
+    for a in out[:3]:
+        a[n:m] = 0
+    return out
 
 
 _xbuf: dict[int, tuple] = {}
+_ybuf: dict[int, np.ndarray] = {}
 
 
 def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray) -> None:
-    """Y (T, rows) for X (T, cols), T <= ROWS; each row of Y has the bits matvec gives."""
+    """Y (T, rows) for X (T, cols), T <= ROWS; each row of Y has the bits matvec gives.
+    Above one token the kernels take four at a time, each group of weights read once; T
+    that is not a multiple of four is padded with zero tokens (cheaper than more reads)."""
     if X.shape[1] != p.cols:
         raise ValueError(f"{T(p.type_id).name}: {p.cols} inputs expected, got {X.shape[1]}")
-    xq, xd, isum, nb = _quantized(p, X)
-    _matmul(p.data, p.kind, nb, xq, xd, isum, Y)
+    n = X.shape[0]
+    m = n if n == 1 else -(-n // 4) * 4
+    xq, xd, isum, nb = _quantized(p, X, m)
+    if m == n:
+        _matmul(p.data, p.kind, nb, xq, xd, isum, Y)
+        return
+    Yp = _ybuf.get(p.rows)
+    if Yp is None:
+        Yp = _ybuf[p.rows] = np.empty((ROWS, p.rows), np.float32)
+    _matmul(p.data, p.kind, nb, xq, xd, isum, Yp[:m])
+    Y[:] = Yp[:n]
 
 
 def matvec(p: Packed, x: np.ndarray, y: np.ndarray) -> None:

@@ -166,7 +166,7 @@ def test_packed_matches_file_layout(type_id, rows, nb):
     quant.matmul(type_id, raw, X, YR)
     np.testing.assert_array_equal(Y, YR)
     # a few tokens at once (speculative verification): each row decode's bits
-    for t in (2, 7):
+    for t in (2, 3, 4, 7):
         Y = np.full((t, rows), np.nan, np.float32)
         packed.matmul_rows(p, X[:t], Y)
         for i in range(t):
