@@ -5,11 +5,17 @@ their ratios, and the decode roofline (weight bytes read per token / measured re
     python bench/compare.py qwen2.5-coder:0.5b [more models or .gguf paths] [-t 2] [-r 3]
     python bench/compare.py qwen2.5-coder:0.5b@Q8_0 qwen2.5-coder:0.5b@Q4_0
 
+    python bench/compare.py qwen2.5-coder:1.5b --draft qwen2.5-coder:0.5b
+
 MODEL@TYPE is MODEL requantized to TYPE (Q8_0, Q4_0) by llama.cpp's own quantizer, made once
 into NUMBAT_HOME/bench/.
 
+--draft DRAFT adds greedy decoding of -n tokens after the fixed code prompt of `numbat bench`
+(cli.BENCH_CODE): llama.cpp plain, numbat plain and numbat with DRAFT speculating (k =
+--draft-max), each as tokens after the first over the time after the first.
+
 Each engine runs in its own process started with the caller's environment: numbat sets
-OpenMP wait defaults when it loads (quant/__init__.py) and llama.cpp links the same libgomp,
+OpenMP wait defaults when it loads (runner/env.py) and llama.cpp links the same libgomp,
 so sharing a process would impose numbat's choice on llama.cpp. Both see the same random
 token ids, as llama-bench uses. Medians of -r runs after a warm-up; the engines alternate
 -a rounds per model so drifts in the machine hit both alike.
@@ -28,8 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ)          # before anything of ours sets OpenMP defaults
 
 
-def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed: int) -> dict:
-    """Runs in the child: warm up, then reps of pp and tg; tok/s lists as JSON."""
+def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed: int,
+           draft: str | None = None, draft_max: int = 3) -> dict:
+    """Runs in the child: warm up, then reps of pp and tg (and with a draft, greedy decoding
+    on the code prompt); tok/s lists as JSON."""
     import time
     if engine != "llama.cpp":      # numbat's thread-pool defaults, as its CLI sets them
         sys.path.insert(0, str(ROOT))
@@ -38,7 +46,7 @@ def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed
     import numpy as np
     if engine == "llama.cpp":
         import llama_cpp
-        llm = llama_cpp.Llama(model_path=path, n_ctx=p + n + 8, n_batch=512, n_ubatch=512,
+        llm = llama_cpp.Llama(model_path=path, n_ctx=max(p, 512) + n + 8, n_batch=512, n_ubatch=512,
                               n_threads=threads, n_threads_batch=threads, verbose=False)
         vocab = llm.n_vocab()
 
@@ -50,6 +58,17 @@ def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed
             llm.reset()
             for i in ids:
                 llm.eval([i])
+
+        def code(speculate):       # plain greedy on the code prompt: rate after the first token
+            from cli import BENCH_CODE
+            llm.reset()
+            llm.eval(llm.tokenize(BENCH_CODE.encode(), add_bos=True, special=False))
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            t = time.perf_counter()
+            for _ in range(n - 1):
+                llm.eval([tok])
+                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            return (n - 1) / (time.perf_counter() - t)
     else:
         import numba
 
@@ -67,6 +86,22 @@ def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed
             cache.reset()
             for i in ids:
                 m.backend.forward([i], cache)
+
+        if draft:
+            from cli import BENCH_CODE
+            from runner.generate import generate
+            from runner.sampler import Sampler, SamplerConfig
+            from runner.speculative import DraftModel, speculative_generate
+            code_ids = m.tokenizer.encode(BENCH_CODE)
+            code_cache = m.make_cache(len(code_ids) + n)
+            proposer = DraftModel(m, load(draft), code_cache.n_ctx, draft_max)
+
+        def code(speculate):
+            code_cache.reset()
+            greedy = Sampler(SamplerConfig(temp=0))
+            events = (speculative_generate(m, code_ids, greedy, code_cache, proposer, n) if speculate
+                      else generate(m, code_ids, greedy, code_cache, n))
+            return list(events)[-1].stats.gen_tps
     rng = np.random.default_rng(seed)
     out = {}
     for test, k, f in (("pp", p, pp), ("tg", n, tg)):
@@ -78,12 +113,17 @@ def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed
             if rep:      # rep 0 warms up
                 rates.append(k / (time.perf_counter() - t))
         out[f"{test}{k}"] = rates
+    for speculate in ((False, True) if draft and engine != "llama.cpp" else (False,) if draft else ()):
+        rates = [code(speculate) for _ in range(reps + 1)][1:]
+        out[f"tg{n} code" + (", draft" if speculate else "")] = rates
     return out
 
 
 def run_worker(engine, path, a) -> dict:
     cmd = [sys.executable, __file__, "--worker", engine, str(path), "-t", str(a.threads),
-           "-p", str(a.p), "-n", str(a.n), "-r", str(a.reps)]
+           "-p", str(a.p), "-n", str(a.n), "-r", str(a.reps), "--draft-max", str(a.draft_max)]
+    if a.draft:
+        cmd += ["--draft", a.draft]
     r = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"{engine} on {path} failed:\n{r.stderr[-2000:]}")
@@ -137,10 +177,13 @@ def main():
     ap.add_argument("-a", "--alternations", type=int, default=2)
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("--draft", help="also greedy decoding on a code prompt, numbat speculating with this draft")
+    ap.add_argument("--draft-max", type=int, default=3)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        print(json.dumps(worker(a.worker, a.models[0], a.threads, a.p, a.n, a.reps, os.getpid())))
+        print(json.dumps(worker(a.worker, a.models[0], a.threads, a.p, a.n, a.reps, os.getpid(),
+                                a.draft, a.draft_max)))
         return
     sys.path.insert(0, str(ROOT))
     from runner.model import resolve
@@ -160,6 +203,11 @@ def main():
             ll, nb = statistics.median(rates["llama.cpp"][test]), statistics.median(rates["numbat"][test])
             extra = f"{roof:.1f} | {nb / roof:.2f}" if test.startswith("tg") else "- | -"
             print(f"| {model} | {test} | {ll:.1f} | {nb:.1f} | {nb / ll:.2f} | {extra} |", flush=True)
+        if a.draft:         # llama.cpp decodes plainly in both rows
+            ll = statistics.median(rates["llama.cpp"][f"tg{a.n} code"])
+            for test, label in ((f"tg{a.n} code", f"tg{a.n} code"), (f"tg{a.n} code, draft", f"tg{a.n} code, numbat with draft {a.draft} k={a.draft_max}")):
+                nb = statistics.median(rates["numbat"][test])
+                print(f"| {model} | {label} | {ll:.1f} | {nb:.1f} | {nb / ll:.2f} | - | - |", flush=True)
 
 
 if __name__ == "__main__":
