@@ -86,9 +86,10 @@ class NumbaCPU:
             return Linear(t.type_id, f.raw(name) if raw is None else raw, t.dims[0], t.dims[1],
                           vec(bias) if bias else None)
 
-        # Q4_0/Q5_0/Q8_0 matrices are repacked for decode (quant.packed), all but the embedding
-        packs = quant.packed.pack_file(f, [n for n, t in f.tensors.items()
-                                           if len(t.dims) == 2 and n != "token_embd.weight"])
+        # matrices are repacked for decode where quant.packed has their type; the embedding
+        # only for the output head it may double as (lookups read the file's rows)
+        packs = quant.packed.pack_file(f, [n for n, t in f.tensors.items() if len(t.dims) == 2 and
+                                           (n != "token_embd.weight" or cfg.tied_output)])
 
         # llama 3 files carry per-pair rope frequency divisors
         freq_factors = vec("rope_freqs.weight")
@@ -110,7 +111,7 @@ class NumbaCPU:
         t = f.tensors["token_embd.weight"]      # rows are looked up: the file's layout
         self.embd = Linear(t.type_id, f.raw("token_embd.weight"), t.dims[0], t.dims[1])
         self.output_norm = vec("output_norm.weight")
-        self.output = self.embd if cfg.tied_output else lin("output.weight")
+        self.output = lin("token_embd.weight" if cfg.tied_output else "output.weight")
         self._alloc()
 
     def _alloc(self):
