@@ -1,13 +1,17 @@
-"""Q4_0, Q5_0, Q8_0 and Q4_K weights repacked at load for AVX512-VNNI decode.
+"""Q4_0, Q5_0, Q8_0, Q4_K and Q6_K weights repacked at load for AVX512-VNNI decode.
 
-In the file each row is a run of 32-value blocks, so a kernel that walks rows must unpack and
-scale every 32 values on their own (27-30 GB/s here, compute-bound). Repacked, 16 rows share
+In the file each row is a run of blocks, so a kernel that walks rows must unpack and scale
+each block on its own (Q4_0/Q5_0 25-28 GB/s here, compute-bound). Repacked, 16 rows share
 each block's bytes the way quant.gemm8's panels do: byte 4i + j of a 64-byte chunk belongs
 to row i, so one vpdpbusd with 4 broadcast activation bytes advances 16 rows, and the 16
-scales of a block are one vector. Measured, Q4_0: 79-91 GB/s in L3, 43 from DRAM (the read
-bandwidth is 48), against 23-26 GB/s of the row kernel; the result is the row kernel's bits.
+scales of a block are one vector. Measured (Kernels in BENCHMARKS.md): Q4_0 147 GB/s in L3,
+86 on a DRAM-sized matrix, against 27-28 for the row kernel. The kernels take 1 or 4 tokens:
+a few tokens at once (speculative verification) read and unpack each group once, and every
+token's lanes go through decode's operations, so each gets decode's bits (tests; this is why
+_matmul is not fastmath). They sum the same integers as the row kernels; the float steps
+may round differently from those (LLVM reorders the fastmath row kernels).
 
-Per group of 16 rows and block b (the same number of bytes as the file's 16 blocks):
+Per group of 16 rows and block b:
   Q4_0 (288): 4 chunks of nibble bytes: chunk c byte 4i+j = row i's byte 4c+j, whose low
               nibble is value 4c+j and high nibble value 16+4c+j; then 16 f16 d.
   Q5_0 (352): the same 4 chunks; then per chunk c two 64-bit planes of fifth bits, bit 4i+j
@@ -17,12 +21,18 @@ Per group of 16 rows and block b (the same number of bytes as the file's 16 bloc
               nibble value 64p+4c+j, high 64p+32+4c+j); then the 8 six-bit scales and the
               8 mins as bytes, [j][row]; then 16 f16 d and 16 f16 dmin (64 bytes more than
               the file's 16 blocks: the scales unpacked).
-The unsigned values carry an offset (8, 16, 128) that comes off through the block's sum of
-activations: sum (u - off) x = sum u x - off * sum x. Q4_K computes per block and row what
-the row kernels do (kquants._k4_term): xd * (d * sum_j sc_j q.x - dmin * sum_j m_j bsum_j).
+  Q6_K (3424): 32 ql chunks (chunk m byte 4i+j = row i's ql byte 4m+j), 16 qh chunks
+              (likewise qh), the 16 int8 scales as bytes [j][row], 16 f16 d, then per row
+              C = 128 * sum_j sc_j * sum (q - 32) as int32 (64 bytes more than the file).
+              Its kernels multiply the signed q - 32 by the activations + 128 (unsigned):
+              the sum less C is sum_j sc_j (q - 32) . x with no per-token offset work.
+The unsigned values carry an offset (8, 16, 128) that comes off through the sums of the
+activations: sum (u - off) x = sum u x - off * sum x. The K-quants compute per block and row
+what kquants' row kernels do (_k4_term, _k6_term).
 
 A copy: the file's pages of a repacked tensor are released (GGUFFile.release), so resident
-memory stays the size of the weights. NUMBAT_REPACK=0 keeps the file's layout.
+memory stays the size of the weights (1.5b: peak RSS within the test's file + KV + 300 MB).
+NUMBAT_REPACK=0 keeps the file's layout.
 """
 from __future__ import annotations
 
@@ -44,7 +54,7 @@ I1 = ir.IntType(1)
 # kind: (file block bytes, group-block bytes, offset of the unsigned values, values per block)
 Q4_0, Q5_0, Q8_0, Q4_K, Q6_K = 0, 1, 2, 3, 4
 LAYOUT = {Q4_0: (18, 288, 8, 32), Q5_0: (22, 352, 16, 32), Q8_0: (34, 544, 128, 32), Q4_K: (144, 2368, 0, 256),
-          Q6_K: (210, 3360, 32, 256)}
+          Q6_K: (210, 3424, 32, 256)}
 KINDS = {T.Q4_0: Q4_0, T.Q5_0: Q5_0, T.Q8_0: Q8_0, T.Q4_K: Q4_K, T.Q6_K: Q6_K}
 
 
@@ -121,20 +131,30 @@ def _repack_q4_K(raw, out):
 @njit(parallel=True, cache=True)
 def _repack_q6_K(raw, out):
     """In 16-bit words (blocks are 105 words): ql word pair m -> chunk m, qh pair m -> chunk
-    32 + m, scales and d as bytes and words."""
+    32 + m, scales and d as bytes and words; C from the values (kquants' Q6_K layout)."""
     nb = raw.shape[1] // 210
-    r16, o16 = raw.view(np.uint16), out.view(np.uint16)
+    r16, o16, o32 = raw.view(np.uint16), out.view(np.uint16), out.view(np.int32)
     for g in prange(raw.shape[0] // 16):
-        o, o2 = out[g], o16[g]
+        o, o2, o4 = out[g], o16[g], o32[g]
         for i in range(16):
             w, w2 = raw[16 * g + i], r16[16 * g + i]
             for b in range(nb):
                 for m in range(48):
-                    o2[b * 1680 + 32 * m + 2 * i] = w2[b * 105 + 2 * m]
-                    o2[b * 1680 + 32 * m + 2 * i + 1] = w2[b * 105 + 2 * m + 1]
+                    o2[b * 1712 + 32 * m + 2 * i] = w2[b * 105 + 2 * m]
+                    o2[b * 1712 + 32 * m + 2 * i + 1] = w2[b * 105 + 2 * m + 1]
                 for j in range(16):
-                    o[b * 3360 + 3072 + 16 * j + i] = w[b * 210 + 192 + j]
-                o2[b * 1680 + 1664 + i] = w2[b * 105 + 104]       # d
+                    o[b * 3424 + 3072 + 16 * j + i] = w[b * 210 + 192 + j]
+                o2[b * 1712 + 1664 + i] = w2[b * 105 + 104]       # d
+                C = 0
+                for j in range(16):                                # value 16j + l
+                    h, s, l0 = j >> 3, (j >> 1) & 3, (j & 1) * 16
+                    t = 0
+                    for l in range(16):
+                        lo = (w[b * 210 + 64 * h + 32 * (s & 1) + l0 + l] >> (4 * (s >> 1))) & 15
+                        hi = (w[b * 210 + 128 + 32 * h + l0 + l] >> (2 * s)) & 3
+                        t += np.int32(lo | (hi << 4)) - 32
+                    C += np.int32(np.int8(w[b * 210 + 192 + j])) * t
+                o4[b * 856 + 840 + i] = 128 * C
 
 
 def packed_bytes(type_id: int, shape) -> int:
@@ -221,10 +241,10 @@ def _rows16(kind, n_tok):
             with cgutils.for_range(builder, anb) as loop:
                 b = loop.index
                 o = builder.add(gbase, builder.mul(b, c(gb)))
-                if kind == Q6_K:
+                if kind == Q6_K:      # activations arrive + 128 (unsigned), see _quantized
                     x0 = builder.mul(b, c(256))
                     ia = [zero] * n_tok
-                    three = ir.Constant(V64B, [3] * 64)
+                    three, k32 = ir.Constant(V64B, [3] * 64), ir.Constant(V64B, [32] * 64)
                     for h in range(2):
                         for half in range(2):
                             dots = [[zero] * n_tok for _ in range(4)]
@@ -234,24 +254,19 @@ def _rows16(kind, n_tok):
                                     ql = load(builder.add(o, c(64 * (16 * h + 8 * k + ch))), V64B)
                                     for s_, nib in ((k, builder.and_(ql, low4)), (k + 2, builder.lshr(ql, ir.Constant(V64B, [4] * 64)))):
                                         top = builder.and_(builder.lshr(hb, ir.Constant(V64B, [2 * s_] * 64)), three)
-                                        u = builder.or_(nib, builder.shl(top, ir.Constant(V64B, [4] * 64)))
+                                        w = builder.sub(builder.or_(nib, builder.shl(top, ir.Constant(V64B, [4] * 64))), k32)
                                         for t in range(n_tok):
                                             xo = builder.add(x0, c(128 * h + 32 * s_ + 4 * ch))
-                                            dots[s_][t] = builder.call(dpbusd, [dots[s_][t], u, xword(t, xo)])
+                                            dots[s_][t] = builder.call(dpbusd, [dots[s_][t], xword(t, xo), w])
                             for s_ in range(4):
                                 sc = builder.sext(load(builder.add(o, c(3072 + 16 * (8 * h + 2 * s_ + half))), ir.VectorType(I8, 16)), V16I)
                                 for t in range(n_tok):
                                     ia[t] = builder.add(ia[t], builder.mul(dots[s_][t], sc))
-                    d = halves16(builder.add(o, c(3328)))
+                    d, C = halves16(builder.add(o, c(3328))), load(builder.add(o, c(3360)), V16I)
                     for t in range(n_tok):
-                        offs = zero
-                        for j in range(16):
-                            sc = builder.sext(load(builder.add(o, c(3072 + 16 * j)), ir.VectorType(I8, 16)), V16I)
-                            bs = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(j)), I32)
-                            offs = builder.add(offs, builder.mul(sc, _splat(builder, bs, V16I)))
-                        v = builder.sitofp(builder.sub(ia[t], builder.mul(offs, ir.Constant(V16I, [32] * 16))), V16F)
-                        dx = scalar(txd, axd, t, ldd, b, F32)
-                        builder.store(builder.fadd(builder.load(acc[t]), builder.fmul(_splat(builder, dx, V16F), builder.fmul(d, v))), acc[t])
+                        v = builder.sitofp(builder.sub(ia[t], C), V16F)
+                        dx = scalar(txd, axd, t, ldd, b, F32)       # (xd * d) * v, as the row kernel
+                        builder.store(builder.fadd(builder.load(acc[t]), builder.fmul(builder.fmul(_splat(builder, dx, V16F), d), v)), acc[t])
                 elif kind == Q4_K:
                     x0 = builder.mul(b, c(256))
                     ia = [zero] * n_tok
@@ -345,9 +360,11 @@ def _group(kind, pk, g, nb, xq, xd, isum, y, t0, four):
         _q6_K_1(pk, g, nb, xq, xd, isum, y, t0)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, cache=True)
 def _matmul(pk, kind, nb, xq, xd, isum, y):
-    """y (T, rows) for the T tokens of xq: four at a time, then one."""
+    """y (T, rows) for the T tokens of xq: four at a time, then one. Not fastmath: LLVM
+    would then be free to fuse or reorder the float steps differently in the 1- and 4-token
+    kernels, and a token checked in a group must get the bits it gets alone."""
     T4 = xq.shape[0] // 4 * 4
     for g in prange(pk.shape[0]):
         for t0 in range(0, T4, 4):
@@ -363,6 +380,12 @@ def _quantized(p: Packed, X: np.ndarray, m: int):
     if p.kind in (Q4_K, Q6_K):
         xq, xd, bs16, bs32 = (b[:m] for b in _x_scratch(p.cols, np.int8, ROWS))
         quantize_rows(X, xq[:n], xd[:n], bs16[:n], bs32[:n])
+        if p.kind == Q6_K:      # x + 128 as unsigned bytes
+            xu = _ubuf.get(p.cols)
+            if xu is None:
+                xu = _ubuf[p.cols] = np.empty((ROWS, p.cols), np.uint8)
+            np.bitwise_xor(xq[:n].view(np.uint8), 128, out=xu[:n])
+            xq = xu[:m].view(np.int8)
         out = xq, xd, bs32 if p.kind == Q4_K else bs16, p.cols // 256
     else:
         buf = _xbuf.get(p.cols)
@@ -380,6 +403,7 @@ def _quantized(p: Packed, X: np.ndarray, m: int):
 
 
 _xbuf: dict[int, tuple] = {}
+_ubuf: dict[int, np.ndarray] = {}
 _ybuf: dict[int, np.ndarray] = {}
 
 
