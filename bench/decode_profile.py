@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import runner.env  # noqa: E402, F401  (thread-pool defaults, before numpy loads OpenBLAS)
 
 CATEGORIES = (      # first match wins: (category, substrings of "file:function")
-    ("matvec", ("quant/legacy.py:_mv", "quant/kquants.py:matvec_", "quant/packed.py:_matvec", "quant/floats.py:", "quant/act.py:quantize",
+    ("matvec", ("quant/legacy.py:_mv", "quant/kquants.py:matvec_", "quant/packed.py:_matmul", "quant/floats.py:", "quant/act.py:quantize",
                 "quant/kquants.py:quantize_x", "quant/legacy.py:_quantize")),
     ("attention", ("kernels.py:attention",)),
     ("norms/rope/act", ("kernels.py:rms_norm", "kernels.py:rope", "kernels.py:silu", "kernels.py:gelu",

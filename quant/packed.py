@@ -75,86 +75,96 @@ def supports(type_id: int, rows: int) -> bool:
     return enabled() and type_id in KINDS and rows % 16 == 0
 
 
-@njit(parallel=True, cache=True)
-def _repack(raw, kind, out):
+@njit(inline="always")
+def _group_legacy(raw, kind, out, g):
     """In 16-bit words (every block size is even): row i's word h of chunk c of block b goes
     to word 32c + 2i + h of the group-block (Q4_0/Q5_0: h < 2; Q8_0: h < 2 per 4 bytes)."""
     bs = 17 if kind == Q8_0 else 11 if kind == Q5_0 else 9         # words
     gb = 272 if kind == Q8_0 else 176 if kind == Q5_0 else 144
     q0 = 3 if kind == Q5_0 else 1
     nb = raw.shape[1] // (2 * bs)
-    r16, o16 = raw.view(np.uint16), out.view(np.uint16)
-    for g in prange(raw.shape[0] // 16):
-        o = o16[g]
-        for i in range(16):
-            w = r16[16 * g + i]
-            for b in range(nb):
-                wb, ob = b * bs, b * gb
-                o[ob + gb - 16 + i] = w[wb]                                   # d
-                if kind == Q8_0:
-                    for c in range(8):
-                        o[ob + 32 * c + 2 * i] = w[wb + 1 + 2 * c] ^ 0x8080
-                        o[ob + 32 * c + 2 * i + 1] = w[wb + 2 + 2 * c] ^ 0x8080
-                else:
-                    for c in range(4):
-                        o[ob + 32 * c + 2 * i] = w[wb + q0 + 2 * c]
-                        o[ob + 32 * c + 2 * i + 1] = w[wb + q0 + 2 * c + 1]
-                if kind == Q5_0:     # nibble 4c+h*16.. of qh -> bits 4i.. of plane (c, h)
-                    qh = np.uint32(w[wb + 1]) | (np.uint32(w[wb + 2]) << 16)
-                    for c in range(4):
-                        for h in range(2):
-                            nib = (qh >> np.uint32(16 * h + 4 * c)) & np.uint32(15)
-                            o[ob + 128 + 8 * c + 4 * h + i // 4] |= np.uint16(nib << np.uint32(4 * (i % 4)))
+    o = out.view(np.uint16)[g]
+    if kind == Q5_0:                     # the fifth-bit planes are or-ed in below
+        for b in range(nb):
+            for k in range(32):
+                o[b * gb + 128 + k] = 0
+    for i in range(16):
+        w = raw.view(np.uint16)[16 * g + i]
+        for b in range(nb):
+            wb, ob = b * bs, b * gb
+            o[ob + gb - 16 + i] = w[wb]                                   # d
+            if kind == Q8_0:
+                for c in range(8):
+                    o[ob + 32 * c + 2 * i] = w[wb + 1 + 2 * c] ^ 0x8080
+                    o[ob + 32 * c + 2 * i + 1] = w[wb + 2 + 2 * c] ^ 0x8080
+            else:
+                for c in range(4):
+                    o[ob + 32 * c + 2 * i] = w[wb + q0 + 2 * c]
+                    o[ob + 32 * c + 2 * i + 1] = w[wb + q0 + 2 * c + 1]
+            if kind == Q5_0:     # nibble 4c+h*16.. of qh -> bits 4i.. of plane (c, h)
+                qh = np.uint32(w[wb + 1]) | (np.uint32(w[wb + 2]) << 16)
+                for c in range(4):
+                    for h in range(2):
+                        nib = (qh >> np.uint32(16 * h + 4 * c)) & np.uint32(15)
+                        o[ob + 128 + 8 * c + 4 * h + i // 4] |= np.uint16(nib << np.uint32(4 * (i % 4)))
 
 
-@njit(parallel=True, cache=True)
-def _repack_q4_K(raw, out):
+@njit(inline="always")
+def _group_q4_K(raw, out, g):
     """In 32-bit words for the quants (the file's blocks are 36 words), bytes for the rest."""
     nb = raw.shape[1] // 144
-    r32, o32 = raw.view(np.uint32), out.view(np.uint32)
-    r16, o16 = raw.view(np.uint16), out.view(np.uint16)
-    for g in prange(raw.shape[0] // 16):
-        o, o4, o2 = out[g], o32[g], o16[g]
-        for i in range(16):
-            w, w4, w2 = raw[16 * g + i], r32[16 * g + i], r16[16 * g + i]
-            for b in range(nb):
-                for k in range(32):             # chunk k = 8p + c holds qs word 8p + c
-                    o4[b * 592 + 16 * k + i] = w4[b * 36 + 4 + k]
-                sm = _k4_scales(w, b * 144 + 4)
-                for j in range(8):
-                    o[b * 2368 + 2048 + 16 * j + i] = _byte(sm[j >> 2], j & 3)
-                    o[b * 2368 + 2176 + 16 * j + i] = _byte(sm[2 + (j >> 2)], j & 3)
-                o2[b * 1184 + 1152 + i] = w2[b * 72]          # d
-                o2[b * 1184 + 1168 + i] = w2[b * 72 + 1]      # dmin
+    o, o4, o2 = out[g], out.view(np.uint32)[g], out.view(np.uint16)[g]
+    for i in range(16):
+        w, w4, w2 = raw[16 * g + i], raw.view(np.uint32)[16 * g + i], raw.view(np.uint16)[16 * g + i]
+        for b in range(nb):
+            for k in range(32):             # chunk k = 8p + c holds qs word 8p + c
+                o4[b * 592 + 16 * k + i] = w4[b * 36 + 4 + k]
+            sm = _k4_scales(w, b * 144 + 4)
+            for j in range(8):
+                o[b * 2368 + 2048 + 16 * j + i] = _byte(sm[j >> 2], j & 3)
+                o[b * 2368 + 2176 + 16 * j + i] = _byte(sm[2 + (j >> 2)], j & 3)
+            o2[b * 1184 + 1152 + i] = w2[b * 72]          # d
+            o2[b * 1184 + 1168 + i] = w2[b * 72 + 1]      # dmin
 
 
-@njit(parallel=True, cache=True)
-def _repack_q6_K(raw, out):
+@njit(inline="always")
+def _group_q6_K(raw, out, g):
     """In 16-bit words (blocks are 105 words): ql word pair m -> chunk m, qh pair m -> chunk
     32 + m, scales and d as bytes and words; C from the values (kquants' Q6_K layout)."""
     nb = raw.shape[1] // 210
-    r16, o16, o32 = raw.view(np.uint16), out.view(np.uint16), out.view(np.int32)
+    o, o2, o4 = out[g], out.view(np.uint16)[g], out.view(np.int32)[g]
+    for i in range(16):
+        w, w2 = raw[16 * g + i], raw.view(np.uint16)[16 * g + i]
+        for b in range(nb):
+            for m in range(48):
+                o2[b * 1712 + 32 * m + 2 * i] = w2[b * 105 + 2 * m]
+                o2[b * 1712 + 32 * m + 2 * i + 1] = w2[b * 105 + 2 * m + 1]
+            for j in range(16):
+                o[b * 3424 + 3072 + 16 * j + i] = w[b * 210 + 192 + j]
+            o2[b * 1712 + 1664 + i] = w2[b * 105 + 104]       # d
+            wb = w[b * 210:]         # a slice: indices below are constants plus loop counters
+            C = 0
+            for j in range(16):      # value 16j + l, l < 16
+                h, s, l0 = j >> 3, (j >> 1) & 3, (j & 1) * 16
+                ql, qh = wb[64 * h + 32 * (s & 1) + l0:], wb[128 + 32 * h + l0:]
+                t = 0
+                for l in range(16):
+                    t += np.int32(((ql[l] >> (4 * (s >> 1))) & 15) | (((qh[l] >> (2 * s)) & 3) << 4))
+                C += np.int32(np.int8(wb[192 + j])) * (t - 512)
+            o4[b * 856 + 840 + i] = 128 * C
+
+
+@njit(parallel=True, cache=True)
+def _repack(raw, kind, out):
+    """raw's groups of 16 rows into out (one compiled function for every kind: each costs a
+    cache load at startup)."""
     for g in prange(raw.shape[0] // 16):
-        o, o2, o4 = out[g], o16[g], o32[g]
-        for i in range(16):
-            w, w2 = raw[16 * g + i], r16[16 * g + i]
-            for b in range(nb):
-                for m in range(48):
-                    o2[b * 1712 + 32 * m + 2 * i] = w2[b * 105 + 2 * m]
-                    o2[b * 1712 + 32 * m + 2 * i + 1] = w2[b * 105 + 2 * m + 1]
-                for j in range(16):
-                    o[b * 3424 + 3072 + 16 * j + i] = w[b * 210 + 192 + j]
-                o2[b * 1712 + 1664 + i] = w2[b * 105 + 104]       # d
-                C = 0
-                for j in range(16):                                # value 16j + l
-                    h, s, l0 = j >> 3, (j >> 1) & 3, (j & 1) * 16
-                    t = 0
-                    for l in range(16):
-                        lo = (w[b * 210 + 64 * h + 32 * (s & 1) + l0 + l] >> (4 * (s >> 1))) & 15
-                        hi = (w[b * 210 + 128 + 32 * h + l0 + l] >> (2 * s)) & 3
-                        t += np.int32(lo | (hi << 4)) - 32
-                    C += np.int32(np.int8(w[b * 210 + 192 + j])) * t
-                o4[b * 856 + 840 + i] = 128 * C
+        if kind == Q4_K:
+            _group_q4_K(raw, out, g)
+        elif kind == Q6_K:
+            _group_q6_K(raw, out, g)
+        else:
+            _group_legacy(raw, kind, out, g)
 
 
 def packed_bytes(type_id: int, shape) -> int:
@@ -169,14 +179,7 @@ def pack(type_id: int, raw: np.ndarray, out: np.ndarray | None = None) -> Packed
     nb = raw.shape[1] // bs
     n = packed_bytes(type_id, raw.shape)
     out = (np.empty(n, np.uint8) if out is None else out[:n]).reshape(rows // 16, nb * gb)
-    if kind == Q5_0:
-        out[:, :] = 0       # the bit planes are or-ed in
-    if kind == Q4_K:
-        _repack_q4_K(raw, out)
-    elif kind == Q6_K:
-        _repack_q6_K(raw, out)
-    else:
-        _repack(raw, kind, out)
+    _repack(raw, kind, out)
     return Packed(type_id, out, rows, nb * nv)
 
 
