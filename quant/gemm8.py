@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 
 from quant.act import quantize_q8_0, quantize_q8_K
 from quant.common import F16, readonly
-from quant.kquants import _k4_scales, _q3_scales
+from quant.kquants import _byte, _f16, _k4_scales, _q3_scales
 from quant.vnni import AVAILABLE
 
 I8, I32, F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
@@ -111,16 +111,6 @@ PACKED = 10     # + quant.packed's kind: weights repacked at load, 16 rows per g
 def _sub(so, r, j, s, o):
     so[j * 32 + r] = s
     so[j * 32 + 16 + r] = o
-
-
-@njit(inline="always")
-def _f16(w, o, F16):
-    return F16[w[o] | (np.int32(w[o + 1]) << 8)]
-
-
-@njit(inline="always")
-def _byte(u, k):
-    return np.int32((u >> np.uint32(8 * k)) & np.uint32(255))
 
 
 @njit(inline="always")
