@@ -63,14 +63,11 @@ def matmul(type_id: int, raw: np.ndarray, X: np.ndarray, Y: np.ndarray, rounded:
     and V; gate and up) round it once per kind."""
     q = qtype(type_id)
     rows, cols = raw.shape[0], X.shape[1]
-    if isinstance(raw, packed.Packed):     # only on CPUs where gemm8 runs
+    if isinstance(raw, packed.Packed) or gemm8.supports(type_id):   # repacked only where gemm8 runs
         gemm8.matmul(type_id, q.block_size, q.type_size, raw, X, Y, rounded)
         return
     if type_id == T.F32:
         np.matmul(X, raw.view(np.float32).T, out=Y)
-        return
-    if gemm8.supports(type_id) and Y.flags.c_contiguous:
-        gemm8.matmul(type_id, q.block_size, q.type_size, raw, X, Y, rounded)
         return
     if q.act_roundtrip is not None:
         Xr = rounded.get(q.act_roundtrip) if rounded is not None else None

@@ -261,17 +261,15 @@ def gemm(raw, kind, S, bsize, tsize, X8, D, Y, F16):
         so = np.zeros(nsub * 32, np.float32)
         tmp = np.empty(K, np.uint8)
         t32, p32 = tmp.view(np.uint32), panel.view(np.uint32)
-        if kind >= PACKED:
+        if kind >= PACKED:              # a repacked group of 16 rows: one unpack
             _unpack_group(kind, raw[p], K, panel, so, F16)
-            n = 0
-        for r in range(n):
+        for r in range(0 if kind >= PACKED else n):
             w = raw[16 * p + r]
             for b in range(K // bsize):
                 _unpack(kind, w[b * tsize:], tmp[b * bsize:], b * bsize // S, so, r, F16)
             for g in range(K // 4):     # 4 values at a time into the row's lane
                 p32[g * 16 + r] = t32[g]
         # a ragged last panel goes through a (M, 16) buffer, then its n columns to Y
-        n = min(16, rows - 16 * p)
         out, yo, ldy = Yf, 16 * p, rows
         if n < 16:
             out, yo, ldy = np.empty(M * 16, np.float32), 0, 16
@@ -342,4 +340,9 @@ def matmul(type_id: int, bsize: int, tsize: int, raw, X: np.ndarray, Y: np.ndarr
         quantize_acts(np.ascontiguousarray(X), acts[0], acts[1], S, per256)
         if rounded is not None:
             rounded[key] = acts
-    gemm(readonly(raw), kind, S, bsize, tsize, acts[0], acts[1], Y, F16)
+    if Y.flags.c_contiguous:
+        gemm(readonly(raw), kind, S, bsize, tsize, acts[0], acts[1], Y, F16)
+    else:       # the kernel writes through flat offsets: a contiguous result, then copied
+        out = np.empty(Y.shape, np.float32)
+        gemm(readonly(raw), kind, S, bsize, tsize, acts[0], acts[1], out, F16)
+        Y[...] = out

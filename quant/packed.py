@@ -188,12 +188,12 @@ def pack_file(f, names) -> dict:
     kernel's transparent huge pages: writing it costs a fault per 2 MB, not per 4 KB), their
     mapped pages released after. 0.5b: about 0.2 s for 395 MB. (Reading the file with read()
     instead of the mapping took 0.44 s here for the same bytes.)"""
-    todo = [n for n in names if supports(f.tensors[n].type_id, f.raw(n).shape[0])]
-    sizes = [packed_bytes(f.tensors[n].type_id, f.raw(n).shape) for n in todo]
-    arena = np.empty(sum(sizes), np.uint8)
+    todo = [(n, f.tensors[n].type_id, f.raw(n)) for n in names]
+    todo = [(n, t, raw, packed_bytes(t, raw.shape)) for n, t, raw in todo if supports(t, raw.shape[0])]
+    arena = np.empty(sum(size for *_, size in todo), np.uint8)
     out, at = {}, 0
-    for n, size in zip(todo, sizes):
-        out[n] = pack(f.tensors[n].type_id, f.raw(n), arena[at:at + size])
+    for n, t, raw, size in todo:
+        out[n] = pack(t, raw, arena[at:at + size])
         f.release(n)
         at += size
     return out
@@ -419,7 +419,7 @@ def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray) -> None:
     n = X.shape[0]
     m = n if n == 1 else -(-n // 4) * 4
     xq, xd, isum, nb = _quantized(p, X, m)
-    if m == n:
+    if m == n and Y.flags.c_contiguous:     # the kernels write through flat offsets
         _matmul(p.data, p.kind, nb, xq, xd, isum, Y)
         return
     Yp = _ybuf.get(p.rows)

@@ -96,6 +96,27 @@ def test_matmul(type_id, n, rows, nb):
     assert err.max() < TOL, err.max()
 
 
+@pytest.mark.parametrize("type_id", [T.Q4_0, T.Q6_K], ids=["Q4_0", "Q6_K"])
+def test_matmul_into_a_strided_output(type_id):
+    """Y a column slice of a wider array (not contiguous): the same values as a fresh Y."""
+    rng = np.random.default_rng(3)
+    raw = random_blocks(type_id, 48, 2, rng)
+    X = rng.standard_normal((20, 2 * quant.QTYPES[type_id].block_size)).astype(np.float32)
+    Y = np.full((20, 48), np.nan, np.float32)
+    quant.matmul(type_id, raw, X, Y)
+    wide = np.full((20, 60), np.nan, np.float32)
+    quant.matmul(type_id, raw, X, wide[:, 5:53])
+    np.testing.assert_array_equal(wide[:, 5:53], Y)
+    assert np.isnan(wide[:, :5]).all() and np.isnan(wide[:, 53:]).all()
+    if packed.supports(type_id, 48):
+        p = packed.pack(type_id, raw)
+        small = np.full((4, 60), np.nan, np.float32)
+        packed.matmul_rows(p, X[:4], small[:, 5:53])
+        ref = np.full((4, 48), np.nan, np.float32)
+        packed.matmul_rows(p, X[:4].copy(), ref)
+        np.testing.assert_array_equal(small[:, 5:53], ref)
+
+
 def test_matmul_tiles_cover_all_rows(monkeypatch):
     monkeypatch.setattr(quant, "_TILE_BYTES", 16 * 4 * 64)   # 16-row tiles, 1000 rows -> a ragged last tile
     rng = np.random.default_rng(1)
