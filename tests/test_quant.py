@@ -190,6 +190,33 @@ def test_packed_matches_file_layout(type_id, rows, nb):
     np.testing.assert_array_equal(Y, YR)
 
 
+@pytest.mark.skipif(not packed.enabled(), reason="repacking needs AVX512-VNNI (and NUMBAT_REPACK unset)")
+def test_pack_file_fuses_groups_of_one_type():
+    """q, k, v (gate, up) of one type become one matrix whose rows are the members' rows in
+    order, with each member's bits; a group of mixed types is left as its members."""
+    rng = np.random.default_rng(5)
+    shapes = {"q": (T.Q4_K, 32), "k": (T.Q4_K, 16), "v": (T.Q4_K, 48), "a": (T.Q4_K, 16), "b": (T.Q6_K, 16)}
+    raws = {n: random_blocks(t, rows, 2, rng) for n, (t, rows) in shapes.items()}
+
+    class File:
+        tensors = {n: type("Tensor", (), {"type_id": t}) for n, (t, _) in shapes.items()}
+        released = []
+        raw = staticmethod(raws.__getitem__)
+        release = released.append
+
+    out = packed.pack_file(File, list(shapes), [("q", "k", "v"), ("a", "b")])
+    assert sorted(File.released) == sorted(shapes) and ("a", "b") not in out
+    fused = out[("q", "k", "v")]
+    assert (fused.rows, fused.cols) == (96, 512)
+    X = rng.standard_normal((5, 512)).astype(np.float32)
+    Y = np.empty((5, 96), np.float32)
+    packed.matmul_rows(fused, X, Y)
+    for n, cols in (("q", slice(0, 32)), ("k", slice(32, 48)), ("v", slice(48, 96))):
+        Yn = np.empty((5, out[n].rows), np.float32)
+        packed.matmul_rows(out[n], X, Yn)
+        np.testing.assert_array_equal(Y[:, cols], Yn)
+
+
 def test_packed_only_whole_groups():
     assert not packed.supports(T.Q4_0, 40)          # 16 rows per group
     assert not packed.supports(T.Q5_K, 64)          # Q5_K keeps the file's layout

@@ -62,6 +62,8 @@ class Layer:
     post_ffn_norm: np.ndarray | None = None
     theta_scale: np.float32 = np.float32(1)   # ggml's powf(base, -2/n_dims), per layer
     window: int = 0
+    qkv: Linear | None = None       # wq, wk, wv as one matrix (quant.packed.pack_file's groups)
+    gate_up: Linear | None = None   # gate, up as one
 
 
 class NumbaCPU:
@@ -86,10 +88,22 @@ class NumbaCPU:
             return Linear(t.type_id, f.raw(name) if raw is None else raw, t.dims[0], t.dims[1],
                           vec(bias) if bias else None)
 
+        def fused(names, biases):
+            """One Linear for matrices of one type that share their input (decode and
+            verification then make one kernel call for them), or None."""
+            p = packs.get(names)
+            if p is None:
+                return None
+            return Linear(p.type_id, p, p.cols, p.rows, np.concatenate([vec(b) for b in biases]) if biases else None)
+
         # matrices are repacked for decode where quant.packed has their type; the embedding
         # only for the output head it may double as (lookups read the file's rows)
+        qkv = lambda i: tuple(f"blk.{i}.attn_{x}.weight" for x in "qkv")
+        gate_up = lambda i: (f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight")
         packs = quant.packed.pack_file(f, [n for n, t in f.tensors.items() if len(t.dims) == 2 and
-                                           (n != "token_embd.weight" or cfg.tied_output)])
+                                           (n != "token_embd.weight" or cfg.tied_output)],
+                                       [g(i) for i in range(cfg.n_layer) for g in (qkv, gate_up)
+                                        if all(n in f.tensors for n in g(i))])
 
         # llama 3 files carry per-pair rope frequency divisors
         freq_factors = vec("rope_freqs.weight")
@@ -107,7 +121,9 @@ class NumbaCPU:
                 gate=lin(p + "ffn_gate.weight"), up=lin(p + "ffn_up.weight"), down=lin(p + "ffn_down.weight"),
                 q_norm=vec(p + "attn_q_norm.weight"), k_norm=vec(p + "attn_k_norm.weight"),
                 post_attn_norm=vec(p + "post_attention_norm.weight"), post_ffn_norm=vec(p + "post_ffw_norm.weight"),
-                theta_scale=theta_scale, window=cfg.sliding_window if cfg.is_sliding(i) else 0))
+                theta_scale=theta_scale, window=cfg.sliding_window if cfg.is_sliding(i) else 0,
+                qkv=fused(qkv(i), [p + f"attn_{x}.bias" for x in "qkv"] if cfg.qkv_bias else []),
+                gate_up=fused(gate_up(i), [])))
         t = f.tensors["token_embd.weight"]      # rows are looked up: the file's layout
         self.embd = Linear(t.type_id, f.raw("token_embd.weight"), t.dims[0], t.dims[1])
         self.output_norm = vec("output_norm.weight")
@@ -122,6 +138,7 @@ class NumbaCPU:
         self.q, self.attn = z(C, qd), z(C, qd)
         self.k, self.v = z(C, kd), z(C, kd)
         self.g, self.u = z(C, c.n_ff), z(C, c.n_ff)
+        self.qkv, self.gu = z(SMALL_BATCH, qd + 2 * kd), z(SMALL_BATCH, 2 * c.n_ff)   # fused outputs
         self.logits1 = z(1, c.n_vocab)
         self.logits_all = None          # (chunk, vocab): allocated on first logits="all"
         self.scratch = None             # attention scores, sized by the cache
@@ -163,9 +180,14 @@ class NumbaCPU:
         for L, lc, sl in zip(self.layers, cache.layers, slots):
             K.rms_norm(x, L.attn_norm, c.norm_eps, h)
             hr = {}     # h rounded for the weights' kernels, once per kind
-            L.wq(h, q, hr)
-            L.wk(h, k, hr)
-            L.wv(h, v, hr)
+            if L.qkv is not None and n <= SMALL_BATCH:
+                qkv = self.qkv[:n]      # one kernel call for the three
+                L.qkv(h, qkv)
+                q[:], k[:], v[:] = qkv[:, :q.shape[1]], qkv[:, q.shape[1]:-v.shape[1]], qkv[:, -v.shape[1]:]
+            else:
+                L.wq(h, q, hr)
+                L.wk(h, k, hr)
+                L.wv(h, v, hr)
             q3, k3 = q.reshape(n, c.n_head, hd), k.reshape(n, c.n_head_kv, hd)
             if L.q_norm is not None:
                 K.rms_norm(q3.reshape(-1, hd), L.q_norm, c.norm_eps, q3.reshape(-1, hd))
@@ -187,11 +209,18 @@ class NumbaCPU:
                 K.rms_norm(o, L.post_attn_norm, c.norm_eps, o)
             x += o
             K.rms_norm(x, L.ffn_norm, c.norm_eps, h)
-            hr = {}
-            L.gate(h, g, hr)
-            L.up(h, u, hr)
-            (K.gelu_tanh_mul if c.act == "gelu_tanh" else K.silu_mul)(g, u, g)
-            L.down(g, o)
+            act = K.gelu_tanh_mul if c.act == "gelu_tanh" else K.silu_mul
+            if L.gate_up is not None and n <= SMALL_BATCH:
+                gu = self.gu[:n]
+                L.gate_up(h, gu)
+                act(gu[:, :g.shape[1]], gu[:, g.shape[1]:], u)
+                L.down(u, o)
+            else:
+                hr = {}
+                L.gate(h, g, hr)
+                L.up(h, u, hr)
+                act(g, u, g)
+                L.down(g, o)
             if L.post_ffn_norm is not None:
                 K.rms_norm(o, L.post_ffn_norm, c.norm_eps, o)
             x += o
