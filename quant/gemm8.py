@@ -196,7 +196,7 @@ def _unpack_group(kind, grp, K, panel, so, F16):
     a panel's 64-byte steps, nibbles split (and Q5_0's fifth bits added)."""
     if kind == PACKED + 4:                # Q6_K: ql chunks, then qh chunks (quant.packed)
         for b in range(K // 256):
-            ob = grp[b * 3424:]
+            ob = grp[b * 3360:]
             for i in range(16):
                 d = _f16(ob, 3328 + 2 * i, F16)
                 for j in range(16):

@@ -21,14 +21,11 @@ Per group of 16 rows and block b:
               nibble value 64p+4c+j, high 64p+32+4c+j); then the 8 six-bit scales and the
               8 mins as bytes, [j][row]; then 16 f16 d and 16 f16 dmin (64 bytes more than
               the file's 16 blocks: the scales unpacked).
-  Q6_K (3424): 32 ql chunks (chunk m byte 4i+j = row i's ql byte 4m+j), 16 qh chunks
-              (likewise qh), the 16 int8 scales as bytes [j][row], 16 f16 d, then per row
-              C = 128 * sum_j sc_j * sum (q - 32) as int32 (64 bytes more than the file).
-              Its kernels multiply the signed q - 32 by the activations + 128 (unsigned):
-              the sum less C is sum_j sc_j (q - 32) . x with no per-token offset work.
-The unsigned values carry an offset (8, 16, 128) that comes off through the sums of the
-activations: sum (u - off) x = sum u x - off * sum x. The K-quants compute per block and row
-what kquants' row kernels do (_k4_term, _k6_term).
+  Q6_K (3360): 32 ql chunks (chunk m byte 4i+j = row i's ql byte 4m+j), 16 qh chunks
+              (likewise qh), the 16 int8 scales as bytes [j][row], 16 f16 d (the file's size).
+The unsigned values carry an offset (8, 16, 128; Q6_K 32 per 16 values) that comes off
+through the sums of the activations: sum (u - off) x = sum u x - off * sum x. The K-quants
+compute per block and row what kquants' row kernels do (_k4_term, _k6_term).
 
 A copy: the file's pages of a repacked tensor are released (GGUFFile.release), so resident
 memory stays the size of the weights (1.5b: peak RSS within the test's file + KV + 300 MB).
@@ -51,10 +48,11 @@ from quant.gemm8 import I8, I32, F32, V64B, V16I, V16F, _ptr, _splat
 from quant.vnni import AVAILABLE
 
 I1 = ir.IntType(1)
+V32H = ir.VectorType(ir.IntType(16), 32)
 # kind: (file block bytes, group-block bytes, offset of the unsigned values, values per block)
 Q4_0, Q5_0, Q8_0, Q4_K, Q6_K = 0, 1, 2, 3, 4
 LAYOUT = {Q4_0: (18, 288, 8, 32), Q5_0: (22, 352, 16, 32), Q8_0: (34, 544, 128, 32), Q4_K: (144, 2368, 0, 256),
-          Q6_K: (210, 3424, 32, 256)}
+          Q6_K: (210, 3360, 32, 256)}
 KINDS = {T.Q4_0: Q4_0, T.Q5_0: Q5_0, T.Q8_0: Q8_0, T.Q4_K: Q4_K, T.Q6_K: Q6_K}
 
 
@@ -130,28 +128,18 @@ def _group_q4_K(raw, out, g):
 @njit(inline="always")
 def _group_q6_K(raw, out, g):
     """In 16-bit words (blocks are 105 words): ql word pair m -> chunk m, qh pair m -> chunk
-    32 + m, scales and d as bytes and words; C from the values (kquants' Q6_K layout)."""
+    32 + m, scales and d as bytes and words."""
     nb = raw.shape[1] // 210
-    o, o2, o4 = out[g], out.view(np.uint16)[g], out.view(np.int32)[g]
+    o, o2 = out[g], out.view(np.uint16)[g]
     for i in range(16):
         w, w2 = raw[16 * g + i], raw.view(np.uint16)[16 * g + i]
         for b in range(nb):
             for m in range(48):
-                o2[b * 1712 + 32 * m + 2 * i] = w2[b * 105 + 2 * m]
-                o2[b * 1712 + 32 * m + 2 * i + 1] = w2[b * 105 + 2 * m + 1]
+                o2[b * 1680 + 32 * m + 2 * i] = w2[b * 105 + 2 * m]
+                o2[b * 1680 + 32 * m + 2 * i + 1] = w2[b * 105 + 2 * m + 1]
             for j in range(16):
-                o[b * 3424 + 3072 + 16 * j + i] = w[b * 210 + 192 + j]
-            o2[b * 1712 + 1664 + i] = w2[b * 105 + 104]       # d
-            wb = w[b * 210:]         # a slice: indices below are constants plus loop counters
-            C = 0
-            for j in range(16):      # value 16j + l, l < 16
-                h, s, l0 = j >> 3, (j >> 1) & 3, (j & 1) * 16
-                ql, qh = wb[64 * h + 32 * (s & 1) + l0:], wb[128 + 32 * h + l0:]
-                t = 0
-                for l in range(16):
-                    t += np.int32(((ql[l] >> (4 * (s >> 1))) & 15) | (((qh[l] >> (2 * s)) & 3) << 4))
-                C += np.int32(np.int8(wb[192 + j])) * (t - 512)
-            o4[b * 856 + 840 + i] = 128 * C
+                o[b * 3360 + 3072 + 16 * j + i] = w[b * 210 + 192 + j]
+            o2[b * 1680 + 1664 + i] = w2[b * 105 + 104]       # d
 
 
 @njit(parallel=True, cache=True)
@@ -218,8 +206,8 @@ PREFETCH = {1: 2048, 4: 8192}
 
 def _rows16(kind, n_tok):
     """Y[t0 + t, 16g:16g+16] = group g of pk (2-D) . X[t0 + t] for t < n_tok, over nb blocks:
-    X as xq (T, n) int8, xd (T, blocks) float32 scales, isum (T, .) int32 sums of xq per 32
-    values. Each token's lanes go through the same operations for any n_tok (verification
+    X as xq (T, n) int8, xd (T, blocks) float32 scales, isum (T, .) sums of xq per 32 values
+    (int32; Q4_K int16; Q6_K 32 times the sums per 16). Each token's lanes go through the same operations for any n_tok (verification
     gets decode's bits); the weights are loaded and unpacked once for all n_tok."""
     _, gb, off, _ = LAYOUT[kind]
     pf = PREFETCH[n_tok]
@@ -238,6 +226,8 @@ def _rows16(kind, n_tok):
             row = lambda t, ld: builder.mul(builder.add(at0, c(t)), ld)
             dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16I, [V16I, V64B, V64B]),
                                                     "llvm.x86.avx512.vpdpbusd.512")
+            dpwssd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16I, [V16I, V32H, V32H]),
+                                                    "llvm.x86.avx512.vpdpwssd.512")
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F] * 3), "llvm.fma.v16f32")
             base = builder.bitcast(pkarr.data, I8.as_pointer())
 
@@ -259,16 +249,15 @@ def _rows16(kind, n_tok):
 
             acc = [cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(n_tok)]
             prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0i8")
-            low4, zero = ir.Constant(V64B, [15] * 64), ir.Constant(V16I, None)
+            low4, top2, zero = ir.Constant(V64B, [15] * 64), ir.Constant(V64B, [48] * 64), ir.Constant(V16I, None)
             with cgutils.for_range(builder, anb) as loop:
                 b = loop.index
                 o = builder.add(gbase, builder.mul(b, c(gb)))
                 for line in range(0, gb, 64):      # read, keep in all caches, data
                     builder.call(prefetch, [builder.gep(base, [builder.add(o, c(pf + line))]), *(ir.Constant(I32, v) for v in (0, 3, 1))])
-                if kind == Q6_K:      # activations arrive + 128 (unsigned), see _quantized
+                if kind == Q6_K:
                     x0 = builder.mul(b, c(256))
                     ia = [zero] * n_tok
-                    three, k32 = ir.Constant(V64B, [3] * 64), ir.Constant(V64B, [32] * 64)
                     for h in range(2):
                         for half in range(2):
                             dots = [[zero] * n_tok for _ in range(4)]
@@ -277,18 +266,22 @@ def _rows16(kind, n_tok):
                                 for k in range(2):
                                     ql = load(builder.add(o, c(64 * (16 * h + 8 * k + ch))), V64B)
                                     for s_, nib in ((k, builder.and_(ql, low4)), (k + 2, builder.lshr(ql, ir.Constant(V64B, [4] * 64)))):
-                                        top = builder.and_(builder.lshr(hb, ir.Constant(V64B, [2 * s_] * 64)), three)
-                                        w = builder.sub(builder.or_(nib, builder.shl(top, ir.Constant(V64B, [4] * 64))), k32)
+                                        # the value q (0..63): bits 2s_, 2s_ + 1 of hb on top of the nibble
+                                        sh = 4 - 2 * s_
+                                        top = (builder.shl if sh > 0 else builder.lshr)(hb, ir.Constant(V64B, [abs(sh)] * 64))
+                                        w = builder.or_(nib, builder.and_(top, top2))
                                         for t in range(n_tok):
                                             xo = builder.add(x0, c(128 * h + 32 * s_ + 4 * ch))
-                                            dots[s_][t] = builder.call(dpbusd, [dots[s_][t], xword(t, xo), w])
+                                            dots[s_][t] = builder.call(dpbusd, [dots[s_][t], w, xword(t, xo)])
                             for s_ in range(4):
-                                sc = builder.sext(load(builder.add(o, c(3072 + 16 * (8 * h + 2 * s_ + half))), ir.VectorType(I8, 16)), V16I)
-                                for t in range(n_tok):
-                                    ia[t] = builder.add(ia[t], builder.mul(dots[s_][t], sc))
-                    d, C = halves16(builder.add(o, c(3328))), load(builder.add(o, c(3360)), V16I)
+                                j = 8 * h + 2 * s_ + half          # the 16 values' scale and sum
+                                sc = builder.sext(load(builder.add(o, c(3072 + 16 * j)), ir.VectorType(I8, 16)), V16I)
+                                for t in range(n_tok):      # sum (q - 32) x = sum q x - 32 sum x (isum: 32 sum x)
+                                    s32 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(j)), I32)
+                                    ia[t] = builder.add(ia[t], builder.mul(builder.sub(dots[s_][t], _splat(builder, s32, V16I)), sc))
+                    d = halves16(builder.add(o, c(3328)))
                     for t in range(n_tok):
-                        v = builder.sitofp(builder.sub(ia[t], C), V16F)
+                        v = builder.sitofp(ia[t], V16F)
                         dx = scalar(txd, axd, t, ldd, b, F32)       # (xd * d) * v, as the row kernel
                         builder.store(builder.fadd(builder.load(acc[t]), builder.fmul(builder.fmul(_splat(builder, dx, V16F), d), v)), acc[t])
                 elif kind == Q4_K:
@@ -306,12 +299,18 @@ def _rows16(kind, n_tok):
                         for t in range(n_tok):
                             ia[t] = builder.add(ia[t], builder.add(builder.mul(dlo[t], sl), builder.mul(dhi[t], sh)))
                     d, dmin = halves16(builder.add(o, c(2304))), halves16(builder.add(o, c(2336)))
-                    m = [bytes16(builder.add(o, c(2176 + 16 * j))) for j in range(8)]
+                    # sum_j m_j * (sum of x over sub-block j): pairs of mins as int16 against
+                    # pairs of the sums (isum is int16 here), two per lane and vpdpwssd
+                    mp = []
+                    for k in range(4):
+                        two = load(builder.add(o, c(2176 + 32 * k)), ir.VectorType(I8, 32))   # m_2k, m_2k+1 of 16 rows
+                        inter = builder.shuffle_vector(two, two, ir.Constant(ir.VectorType(I32, 32), [i // 2 + 16 * (i % 2) for i in range(32)]))
+                        mp.append(builder.zext(inter, V32H))
                     for t in range(n_tok):
                         mins = zero
-                        for j in range(8):
-                            bs = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(8)), c(j)), I32)
-                            mins = builder.add(mins, builder.mul(m[j], _splat(builder, bs, V16I)))
+                        for k in range(4):
+                            pair = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(8)), c(2 * k)), I32)
+                            mins = builder.call(dpwssd, [mins, mp[k], builder.bitcast(_splat(builder, pair, V16I), V32H)])
                         dx = scalar(txd, axd, t, ldd, b, F32)
                         v = builder.fsub(builder.fmul(d, builder.sitofp(ia[t], V16F)), builder.fmul(dmin, builder.sitofp(mins, V16F)))
                         builder.store(builder.fadd(builder.load(acc[t]), builder.fmul(_splat(builder, dx, V16F), v)), acc[t])
@@ -404,13 +403,15 @@ def _quantized(p: Packed, X: np.ndarray, m: int):
     if p.kind in (Q4_K, Q6_K):
         xq, xd, bs16, bs32 = (b[:m] for b in _x_scratch(p.cols, np.int8, ROWS))
         quantize_rows(X, xq[:n], xd[:n], bs16[:n], bs32[:n])
-        if p.kind == Q6_K:      # x + 128 as unsigned bytes
-            xu = _ubuf.get(p.cols)
-            if xu is None:
-                xu = _ubuf[p.cols] = np.empty((ROWS, p.cols), np.uint8)
-            np.bitwise_xor(xq[:n].view(np.uint8), 128, out=xu[:n])
-            xq = xu[:m].view(np.int8)
-        out = xq, xd, bs32 if p.kind == Q4_K else bs16, p.cols // 256
+        key = (p.kind, p.cols)
+        sums = _sbuf.get(key)
+        if sums is None:
+            sums = _sbuf[key] = np.empty((ROWS, p.cols // 32), np.int16) if p.kind == Q4_K else np.empty((ROWS, p.cols // 16), np.int32)
+        if p.kind == Q4_K:      # the sums per 32 as int16 (at most 32 * 128), for vpdpwssd
+            sums[:n] = bs32[:n]
+        else:                   # Q6_K: its offset 32 times the sums per 16
+            np.multiply(bs16[:n], 32, out=sums[:n])
+        out = xq, xd, sums[:m], p.cols // 256
     else:
         buf = _xbuf.get(p.cols)
         if buf is None:
@@ -427,7 +428,7 @@ def _quantized(p: Packed, X: np.ndarray, m: int):
 
 
 _xbuf: dict[int, tuple] = {}
-_ubuf: dict[int, np.ndarray] = {}
+_sbuf: dict[tuple, np.ndarray] = {}
 _ybuf: dict[int, np.ndarray] = {}
 
 
