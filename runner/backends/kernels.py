@@ -167,12 +167,25 @@ def attention_batched(q, qpos, k, v, kpos, n_slots, window, scale, out, S):
             out[t0:t1, heads] = (sc @ v[g, :n]).reshape(t1 - t0, group, d)
 
 
+@njit(inline="always")
+def _silu_mul_row(g, u, out):
+    for j in range(g.shape[0]):
+        out[j] = g[j] / (f32(1) + expf(-g[j])) * u[j]     # ggml_v_silu
+
+
 @njit(parallel=True, cache=True)
 def silu_mul(gate, up, out):
     for i in prange(gate.shape[0]):
-        for j in range(gate.shape[1]):
-            g = gate[i, j]
-            out[i, j] = g / (f32(1) + expf(-g)) * up[i, j]     # ggml_v_silu
+        _silu_mul_row(gate[i], up[i], out[i])
+
+
+@njit(parallel=True, cache=True)
+def silu_mul_halves(gu, out):
+    """silu_mul of gu's row halves [gate | up] (a fused gate/up output): row slices of a
+    contiguous array, so the loop vectorizes (column views would not)."""
+    n = out.shape[1]
+    for i in prange(gu.shape[0]):
+        _silu_mul_row(gu[i, :n], gu[i, n:], out[i])
 
 
 def _gelu_table() -> np.ndarray:

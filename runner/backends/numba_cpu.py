@@ -209,17 +209,20 @@ class NumbaCPU:
                 K.rms_norm(o, L.post_attn_norm, c.norm_eps, o)
             x += o
             K.rms_norm(x, L.ffn_norm, c.norm_eps, h)
-            act = K.gelu_tanh_mul if c.act == "gelu_tanh" else K.silu_mul
+            gelu = c.act == "gelu_tanh"
             if L.gate_up is not None and n <= SMALL_BATCH:
-                gu = self.gu[:n]
+                gu = self.gu[:n]        # one kernel call for both: [gate | up] per row
                 L.gate_up(h, gu)
-                act(gu[:, :g.shape[1]], gu[:, g.shape[1]:], u)
+                if gelu:
+                    K.gelu_tanh_mul(gu[:, :g.shape[1]], gu[:, g.shape[1]:], u)
+                else:
+                    K.silu_mul_halves(gu, u)
                 L.down(u, o)
             else:
                 hr = {}
                 L.gate(h, g, hr)
                 L.up(h, u, hr)
-                act(g, u, g)
+                (K.gelu_tanh_mul if gelu else K.silu_mul)(g, u, g)
                 L.down(g, o)
             if L.post_ffn_norm is not None:
                 K.rms_norm(o, L.post_ffn_norm, c.norm_eps, o)
