@@ -15,6 +15,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from quant.intrin import bits_f32, f32_bits
+
 
 @njit(inline="always")
 def f16_round(x):
@@ -33,14 +35,24 @@ def f16_round(x):
     return np.float32(math.copysign(q * ulp, x))
 
 
+@njit(inline="always")
+def _absmax(x, b, n):
+    """(max |x|, the first x of that magnitude) over block b of n <= 256 values, as llama.cpp's
+    scan finds them. One integer max over |x|'s bits (ordered as the floats are) with 255 - j
+    below them, so that ties go to the first: it vectorizes, where the scan with a branch ran
+    one value a cycle (2 of the 30 ms of a 4-token forward of the 1.5b)."""
+    k = np.int64(0)
+    for j in range(n):
+        k = max(k, (np.int64(f32_bits(x[b * n + j]) & np.int32(0x7FFFFFFF)) << 8) | (255 - j))
+    return bits_f32(np.int32(k >> 8)), x[b * n + 255 - (k & 255)]
+
+
 @njit(fastmath=False, cache=True)
 def quantize_q8_0(x, xq, xd, xs, isum):
     """x (n,) -> xq int8 (n,), xd (n/32,) float32 values of the f16 scales, xs (n/32,) Q8_1's s,
     isum (n/32,) int32 block sums of xq (for the -8/-16 offsets of Q4_0/Q5_0)."""
     for b in range(x.shape[0] // 32):
-        amax = np.float32(0)
-        for j in range(32):
-            amax = max(amax, abs(x[b * 32 + j]))
+        amax = _absmax(x, b, 32)[0]
         d = amax / np.float32(127)
         inv = np.float32(127) / amax if amax != 0 else np.float32(0)
         s = 0
@@ -57,11 +69,7 @@ def quantize_q8_0(x, xq, xd, xs, isum):
 def quantize_q8_K(x, xq, xd, bsums):
     """x (n,) -> xq int8 (n,), xd (n/256,) float32, bsums int32 (n/16,)."""
     for b in range(x.shape[0] // 256):
-        amax, mx = np.float32(0), np.float32(0)
-        for j in range(256):
-            ax = abs(x[b * 256 + j])
-            if ax > amax:
-                amax, mx = ax, x[b * 256 + j]
+        amax, mx = _absmax(x, b, 256)
         if amax == 0:
             xd[b] = 0
             for j in range(256):
