@@ -532,27 +532,27 @@ class Inventory:
 
 
 def _bench_speculation(m, n_gen, reps, speculation, threads, add):
-    """tgN on BENCH_CODE, greedy: plain decoding, then speculative; generation speed as
-    generate() reports it (tokens after the first, over the time after the first)."""
+    """tgN on BENCH_CODE, greedy, plain and speculative runs alternating (this machine's speed
+    drifts over minutes: one after the other, a drift lands in the ratio); generation speed as
+    generate() reports it (tokens after the first, over the time after the first). The first
+    pair warms up."""
     from runner.generate import generate
     from runner.sampler import Sampler, SamplerConfig
     from runner.speculative import speculative_generate
     ids = m.tokenizer.encode(BENCH_CODE)
     cache = m.make_cache(len(ids) + n_gen)
     proposer = speculation(m, cache.n_ctx, threads)
-    for speculate in (False, True):
-        rates = []
-        for _ in range(reps + 1):
+    rates = {False: [], True: []}
+    for _ in range(reps + 1):
+        for speculate in (False, True):
             cache.reset()
             greedy = Sampler(SamplerConfig(temp=0))
             events = (speculative_generate(m, ids, greedy, cache, proposer, n_gen) if speculate
                       else generate(m, ids, greedy, cache, n_gen))
             done = list(events)[-1]
-            rates.append(done.stats.gen_tps)
-        if speculate:
-            add(f"tg{n_gen} code, {proposer.name}", rates, speculative=done.stats.spec.as_dict())
-        else:
-            add(f"tg{n_gen} code", rates)
+            rates[speculate].append(done.stats.gen_tps)
+    add(f"tg{n_gen} code", rates[False])
+    add(f"tg{n_gen} code, {proposer.name}", rates[True], speculative=done.stats.spec.as_dict())
 
 
 def main():

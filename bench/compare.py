@@ -12,7 +12,8 @@ into NUMBAT_HOME/bench/.
 
 --draft DRAFT adds greedy decoding of -n tokens after the fixed code prompt of `numbat bench`
 (cli.BENCH_CODE): llama.cpp plain, numbat plain and numbat with DRAFT speculating (k =
---draft-max), each as tokens after the first over the time after the first.
+--draft-max), each as tokens after the first over the time after the first; numbat's plain
+and speculative runs alternate.
 
 Each engine runs in its own process started with the caller's environment: numbat sets
 OpenMP wait defaults when it loads (runner/env.py) and llama.cpp links the same libgomp,
@@ -113,9 +114,12 @@ def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed
             if rep:      # rep 0 warms up
                 rates.append(k / (time.perf_counter() - t))
         out[f"{test}{k}"] = rates
-    for speculate in ((False, True) if draft and engine != "llama.cpp" else (False,) if draft else ()):
-        rates = [code(speculate) for _ in range(reps + 1)][1:]
-        out[f"tg{n} code" + (", draft" if speculate else "")] = rates
+    # plain and speculative alternate, so that a drift of the machine's speed (minutes here)
+    # does not land in their ratio; the first round warms up
+    kinds = (False, True) if draft and engine != "llama.cpp" else (False,) if draft else ()
+    runs = [(speculate, code(speculate)) for _ in range(reps + 1) for speculate in kinds][len(kinds):]
+    for speculate in kinds:
+        out[f"tg{n} code" + (", draft" if speculate else "")] = [r for s, r in runs if s == speculate]
     return out
 
 
