@@ -422,8 +422,9 @@ def _quantized(p: Packed, X: np.ndarray, m: int):
         for i in range(n):
             quantize_q8_0(X[i], xq[i], xd[i], xs, isum[i])
         out = xq[:m], xd[:m], isum[:m], p.cols // 32
-    for a in out[:3]:
-        a[n:m] = 0
+    if m > n:
+        for a in out[:3]:
+            a[n:m] = 0
     return out
 
 

@@ -79,7 +79,7 @@ def generate(model, prompt_ids: list[int], sampler: Sampler, cache, max_tokens: 
     end-of-generation token, at most one context's worth). ``history`` is what penalties see."""
     def decode(logits, history):
         while True:
-            t = sampler.sample(sampler.dist(logits, history))
+            t = sampler.next(logits, history)
             yield t
             logits = model.backend.forward([t], cache)[-1]
     return emit(model, prompt_ids, cache, decode, max_tokens, stop, history)

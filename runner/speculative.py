@@ -75,6 +75,13 @@ def verify(sampler: Sampler, rows: np.ndarray, history: list[int], guesses: list
     """The tokens one verification emits: the accepted guesses, then one token of the target's.
     rows[i] are the target's logits after history + guesses[:i]."""
     out = []
+    if sampler.greedy:      # p and q one-hot: a guess stands when it is the target's argmax,
+        for i, x in enumerate(guesses):     # and max(0, p - q) is the target's argmax
+            y = sampler.next(rows[i], history + out)
+            if y != x:
+                return out + [y]
+            out.append(x)
+        return out + [sampler.next(rows[len(guesses)], history + out)]
     for i, x in enumerate(guesses):
         p = sampler.dist(rows[i], history + out)
         q = qs[i] if qs else None
@@ -92,7 +99,7 @@ def speculative_generate(model, prompt_ids: list[int], sampler: Sampler, cache, 
     spec = SpecStats(proposer.name, proposer.k)
 
     def source(logits, history):
-        first = sampler.sample(sampler.dist(logits, history))
+        first = sampler.next(logits, history)
         if cache.n_past < cache.n_ctx - 1:          # else no draft will ever be asked for
             proposer.propose(history, 0, sampler)   # a draft reads the prompt now: time to first token
         yield first
@@ -150,11 +157,17 @@ class DraftModel:
         logits = self._sync(context)
         out, qs = [], []
         for i in range(k):
-            q = self._over_target_vocab(sampler.dist(logits, context + out))
-            if q is None:
-                break
-            out.append(sampler.sample(q))
-            qs.append(q)
+            if sampler.greedy:      # verify() needs no q then; a draft-only id ends the guesses
+                x = sampler.next(logits, context + out)
+                if x >= self.n_vocab:
+                    break
+                out.append(x)
+            else:
+                q = self._over_target_vocab(sampler.dist(logits, context + out))
+                if q is None:
+                    break
+                out.append(sampler.sample(q))
+                qs.append(q)
             if i + 1 < k:
                 logits = self._feed(out[-1:])
         return out, qs

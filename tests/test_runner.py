@@ -207,6 +207,22 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy():
     assert all(s.sample(s.dist(lg)) == lg.argmax() for _ in range(20))
 
 
+def test_next_is_a_draw_from_dist():
+    """next() skips building the distribution at temperature 0: the same token as sampling
+    dist(), penalties included (the history's argmax is pushed down)."""
+    rng = np.random.default_rng(4)
+    for cfg in (SamplerConfig(temp=0), SamplerConfig(temp=0, repeat_penalty=1.5, presence_penalty=2.0)):
+        for _ in range(20):
+            lg = _logits(rng)
+            hist = [int(lg.argmax()), 3, 3]
+            s = Sampler(cfg)
+            assert s.next(lg, hist) == s.sample(s.dist(lg, hist))
+    s = Sampler(SamplerConfig(temp=0, presence_penalty=100.0))
+    assert s.next(lg, [int(lg.argmax())]) != lg.argmax()
+    a, b = Sampler(SamplerConfig(temp=0.9, seed=5)), Sampler(SamplerConfig(temp=0.9, seed=5))
+    assert [a.next(lg) for _ in range(10)] == [b.sample(b.dist(lg)) for _ in range(10)]
+
+
 def test_plain_temperature_is_softmax():
     lg = _logits(np.random.default_rng(1))
     p = Sampler(SamplerConfig(temp=0.7, top_k=0, top_p=1.0, min_p=0.0)).dist(lg)

@@ -32,9 +32,10 @@ class Linear:
 
     def __call__(self, X: np.ndarray, Y: np.ndarray, rounded: dict | None = None) -> None:
         if X.shape[0] <= SMALL_BATCH:
-            # repacked weights: each group of 16 rows is read once for all the tokens
-            rows = quant.qtype(self.type_id).matvec_rows if isinstance(self.raw, np.ndarray) else quant.packed.matmul_rows
-            if rows is not None and X.shape[0] > 1:
+            rows = quant.qtype(self.type_id).matvec_rows
+            if isinstance(self.raw, quant.packed.Packed):   # each group of 16 rows read once for all
+                quant.packed.matmul_rows(self.raw, X, Y)
+            elif rows is not None and X.shape[0] > 1:
                 rows(self.raw, X, Y)
             else:
                 for i in range(X.shape[0]):
