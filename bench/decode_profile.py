@@ -1,11 +1,13 @@
 """Where a decode step's time goes: matvec kernels, attention, norms/RoPE/activations,
 sampling, and the Python around them.
 
-    python bench/decode_profile.py [MODEL] [-n 64] [-t 2]
+    python bench/decode_profile.py [MODEL] [-n 64] [-t 2] [--check K]
 
-cProfile over n greedy decode steps, its per-function own time summed by category. Compiled
-kernels count as whole calls; "python" is everything else (the forward's bookkeeping, the
-wrappers, cProfile's own per-call cost of about a microsecond per call, included).
+cProfile over n greedy decode steps, its per-function own time summed by category. With
+--check K, each step is instead one forward of K tokens with all their logits, rolled back
+after: what a speculative check of K - 1 guesses costs. Compiled kernels count as whole
+calls; "python" is everything else (the forward's bookkeeping, the wrappers, cProfile's own
+per-call cost of about a microsecond per call, included).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import runner.env  # noqa: E402, F401  (thread-pool defaults, before numpy loads
 
 CATEGORIES = (      # first match wins: (category, substrings of "file:function")
     ("matvec", ("quant/legacy.py:_mv", "quant/kquants.py:matvec_", "quant/packed.py:_matmul", "quant/floats.py:", "quant/act.py:quantize",
-                "quant/kquants.py:quantize_x", "quant/legacy.py:_quantize")),
+                "quant/kquants.py:quantize_x", "quant/kquants.py:quantize_rows", "quant/legacy.py:_quantize")),
     ("attention", ("kernels.py:attention",)),
     ("norms/rope/act", ("kernels.py:rms_norm", "kernels.py:rope", "kernels.py:silu", "kernels.py:gelu",
                         "dequant_rows")),
@@ -42,6 +44,7 @@ def main():
     ap.add_argument("model", nargs="?", default="qwen2.5-coder:0.5b")
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--check", type=int, default=0, help="profile forwards of this many tokens instead")
     a = ap.parse_args()
     import numba
 
@@ -57,22 +60,32 @@ def main():
         cache.reset()
         logits = m.backend.forward(ids, cache)[-1]
         for _ in range(n):
-            t = sampler.sample(sampler.dist(logits))
+            t = sampler.next(logits)
             logits = m.backend.forward([t], cache)[-1]
+
+    def check():
+        m.backend.forward((ids * a.check)[:a.check], cache, logits="all")
+        cache.rollback(a.check)
 
     decode(4)                       # compile / warm
     prof = cProfile.Profile()
     cache.reset()
     logits = m.backend.forward(ids, cache)[-1]
+    if a.check:
+        check()
     prof.enable()
     for _ in range(a.n):
-        t = sampler.sample(sampler.dist(logits))
-        logits = m.backend.forward([t], cache)[-1]
+        if a.check:
+            check()
+        else:
+            t = sampler.next(logits)
+            logits = m.backend.forward([t], cache)[-1]
     prof.disable()
     cats = categorize(pstats.Stats(prof))
     total = sum(cats.values())
-    print(f"{a.model}, {a.threads} threads, {a.n} decode steps: {total / a.n * 1e3:.2f} ms/token under cProfile\n")
-    print("| part | ms/token | share |\n|---|---|---|")
+    step = f"forwards of {a.check} tokens" if a.check else "decode steps"
+    print(f"{a.model}, {a.threads} threads, {a.n} {step}: {total / a.n * 1e3:.2f} ms each under cProfile\n")
+    print("| part | ms | share |\n|---|---|---|")
     for c, v in cats.items():
         print(f"| {c} | {v / a.n * 1e3:.2f} | {v / total:.0%} |")
 

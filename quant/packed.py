@@ -193,7 +193,8 @@ def pack_file(f, names, groups=()) -> dict:
         ps = [out.get(n) for n in g]
         if all(ps) and len({(p.type_id, p.cols) for p in ps}) == 1:     # then adjacent, in order
             rows = sum(p.rows for p in ps)
-            out[g] = Packed(ps[0].type_id, arena[span[g[0]][0]:span[g[-1]][1]].reshape(rows // 16, -1), rows, ps[0].cols)
+            data = arena[span[g[0]][0]:span[g[-1]][1]].reshape(rows // 16, -1)
+            out[g] = Packed(ps[0].type_id, data, rows, ps[0].cols)
     return out
 
 
@@ -207,8 +208,9 @@ PREFETCH = {1: 2048, 4: 8192}
 def _rows16(kind, n_tok):
     """Y[t0 + t, 16g:16g+16] = group g of pk (2-D) . X[t0 + t] for t < n_tok, over nb blocks:
     X as xq (T, n) int8, xd (T, blocks) float32 scales, isum (T, .) sums of xq per 32 values
-    (int32; Q4_K int16; Q6_K 32 times the sums per 16). Each token's lanes go through the same operations for any n_tok (verification
-    gets decode's bits); the weights are loaded and unpacked once for all n_tok."""
+    (int32; Q4_K int16; Q6_K 32 times the sums per 16). Each token's lanes go through the
+    same operations for any n_tok (verification gets decode's bits); the weights are loaded
+    and unpacked once for all n_tok."""
     _, gb, off, _ = LAYOUT[kind]
     pf = PREFETCH[n_tok]
 
@@ -248,7 +250,8 @@ def _rows16(kind, n_tok):
                 return builder.fpext(load(o, ir.VectorType(ir.HalfType(), 16)), V16F)
 
             acc = [cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(n_tok)]
-            prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0i8")
+            prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
+                                                      "llvm.prefetch.p0i8")
             low4, top2, zero = ir.Constant(V64B, [15] * 64), ir.Constant(V64B, [48] * 64), ir.Constant(V16I, None)
             with cgutils.for_range(builder, anb) as loop:
                 b = loop.index
