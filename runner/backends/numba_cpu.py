@@ -32,10 +32,9 @@ class Linear:
 
     def __call__(self, X: np.ndarray, Y: np.ndarray, rounded: dict | None = None) -> None:
         if X.shape[0] <= SMALL_BATCH:
-            rows = quant.qtype(self.type_id).matvec_rows
             if isinstance(self.raw, quant.packed.Packed):   # each group of 16 rows read once for all
                 quant.packed.matmul_rows(self.raw, X, Y)
-            elif rows is not None and X.shape[0] > 1:
+            elif X.shape[0] > 1 and (rows := quant.qtype(self.type_id).matvec_rows) is not None:
                 rows(self.raw, X, Y)
             else:
                 for i in range(X.shape[0]):
@@ -63,8 +62,10 @@ class Layer:
     post_ffn_norm: np.ndarray | None = None
     theta_scale: np.float32 = np.float32(1)   # ggml's powf(base, -2/n_dims), per layer
     window: int = 0
-    qkv: Linear | None = None       # wq, wk, wv as one matrix (quant.packed.pack_file's groups)
-    gate_up: Linear | None = None   # gate, up as one
+    # wq, wk, wv (gate, up) as one matrix where they share a repacked type (pack_file's
+    # groups), for decode and checks; prefill runs them apart (gemm8 rounds the input once)
+    qkv: Linear | None = None
+    gate_up: Linear | None = None
 
 
 class NumbaCPU:
