@@ -43,7 +43,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from quant.act import quantize_q8_0
-from quant.kquants import ROWS, _byte, _k4_scales, _x_scratch, quantize_rows
+from quant.kquants import ROWS, _byte, _k4_scales, quantize_x
 from quant.gemm8 import I8, I32, F32, V64B, V16I, V16F, _ptr, _splat
 from quant.vnni import AVAILABLE
 
@@ -399,40 +399,56 @@ def _matmul(pk, kind, nb, xq, xd, isum, y):
             _group(kind, pk, g, nb, xq, xd, isum, y, t0, False)
 
 
+@njit(cache=True)
+def _quantize_k(X, q4, m, xq, xd, bs16, bs32, sums):
+    """The rows of X as Q8_K into the buffers' first rows, rows up to m zero (padding tokens);
+    sums: Q4_K's (q4) sums per 32 as int16 (at most 32 * 128), or Q6_K's offset 32 times the
+    sums per 16. One call per matrix, so quantizing costs no Python per row."""
+    for i in range(X.shape[0]):
+        quantize_x(X[i], xq[i], xd[i], bs16[i], bs32[i])
+        for j in range(sums.shape[1]):
+            sums[i, j] = bs32[i, j] if q4 else 32 * bs16[i, j]
+    for i in range(X.shape[0], m):
+        xq[i], xd[i], sums[i] = 0, 0, 0
+
+
+@njit(cache=True)
+def _quantize_0(X, m, xq, xd, xs, isum):
+    """The rows of X as Q8_0 (isum: the sums per 32), rows up to m zero."""
+    for i in range(X.shape[0]):
+        quantize_q8_0(X[i], xq[i], xd[i], xs, isum[i])
+    for i in range(X.shape[0], m):
+        xq[i], xd[i], isum[i] = 0, 0, 0
+
+
+_bufs: dict[tuple, tuple] = {}
+
+
 def _quantized(p: Packed, X: np.ndarray, m: int):
-    """X (T, cols) as the kernels read it (Q8_K for the K-quants, with sums per 32 for Q4_K
-    and per 16 for Q6_K; Q8_0 otherwise), padded with zero rows to m >= T."""
-    n = X.shape[0]
-    if p.kind in (Q4_K, Q6_K):
-        xq, xd, bs16, bs32 = (b[:m] for b in _x_scratch(p.cols, np.int8, ROWS))
-        quantize_rows(X, xq[:n], xd[:n], bs16[:n], bs32[:n])
-        key = (p.kind, p.cols)
-        sums = _sbuf.get(key)
-        if sums is None:
-            sums = _sbuf[key] = np.empty((ROWS, p.cols // 32), np.int16) if p.kind == Q4_K else np.empty((ROWS, p.cols // 16), np.int32)
-        if p.kind == Q4_K:      # the sums per 32 as int16 (at most 32 * 128), for vpdpwssd
-            sums[:n] = bs32[:n]
-        else:                   # Q6_K: its offset 32 times the sums per 16
-            np.multiply(bs16[:n], 32, out=sums[:n])
-        out = xq, xd, sums[:m], p.cols // 256
+    """X (T, cols) as the kernels read it, padded with zero rows to m >= T: views of m rows
+    of xq, xd and the sums (see _quantize_k), and the blocks per row."""
+    key = (p.kind, p.cols)
+    b = _bufs.get(key)
+    c, k = p.cols, p.kind in (Q4_K, Q6_K)
+    if b is None:
+        z = lambda n, t: np.zeros((ROWS, n), t)
+        if k:       # xq, xd, sums per 16 and per 32, the kernel's sums
+            b = (z(c, np.int8), z(c // 256, np.float32), z(c // 16, np.int32), z(c // 32, np.int32),
+                 z(c // 32, np.int16) if p.kind == Q4_K else z(c // 16, np.int32), {})
+        else:       # xq, xd, Q8_1's s (unused), the sums per 32
+            b = (z(c, np.int8), z(c // 32, np.float32), np.zeros(c // 32, np.float32), None, z(c // 32, np.int32), {})
+        _bufs[key] = b
+    xq, xd, s1, s2, sums, views = b
+    if k:
+        _quantize_k(X, p.kind == Q4_K, m, xq, xd, s1, s2, sums)
     else:
-        buf = _xbuf.get(p.cols)
-        if buf is None:
-            c = p.cols
-            buf = _xbuf[c] = (np.empty((ROWS, c), np.int8), np.empty((ROWS, c // 32), np.float32),
-                              np.empty(c // 32, np.float32), np.empty((ROWS, c // 32), np.int32))
-        xq, xd, xs, isum = buf
-        for i in range(n):
-            quantize_q8_0(X[i], xq[i], xd[i], xs, isum[i])
-        out = xq[:m], xd[:m], isum[:m], p.cols // 32
-    if m > n:
-        for a in out[:3]:
-            a[n:m] = 0
-    return out
+        _quantize_0(X, m, xq, xd, s1, sums)
+    v = views.get(m)
+    if v is None:
+        v = views[m] = (xq[:m], xd[:m], sums[:m], c // (256 if k else 32))
+    return v
 
 
-_xbuf: dict[int, tuple] = {}
-_sbuf: dict[tuple, np.ndarray] = {}
 _ybuf: dict[int, np.ndarray] = {}
 
 
