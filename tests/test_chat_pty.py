@@ -44,6 +44,9 @@ class Terminal:
         pid, fd = pty.fork()
         if pid == 0:   # child: the pty is its controlling terminal, so ^C and ^D act as typed
             try:
+                # as in a terminal: a run started in the background (`cmd &` without job
+                # control) ignores SIGINT, the child would inherit that and ^C would do nothing
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.chdir(ROOT)
                 os.execve(sys.executable, [sys.executable, "-m", "cli", *args], env)
             finally:
@@ -164,17 +167,12 @@ def test_chat_turns_run_only_their_new_tokens(chat_factory, gemma, tmp_path):
 
     assert "unknown command /frobnicate" in t.line("/frobnicate")
 
-    # Ctrl-C at the prompt: a new prompt, no exit. A SIGINT that lands between input()
-    # printing its prompt and blocking in read() is only seen after the next Enter, in CPython
-    # itself: wait first, and if the prompt does not come back, press Enter once (CI hit this
-    # twice, on fresh clones; a person would press Enter too). Either way the chat must go on.
+    # Ctrl-C at the prompt: a new prompt, no exit. (Wait first: a SIGINT that lands between
+    # input() printing its prompt and blocking in read() is only seen after the next Enter,
+    # in CPython itself; no person types that fast.)
     time.sleep(1.0)
     t.send("\x03")
-    try:
-        t.expect(re.escape(PROMPT) + "$", 15)
-    except TimeoutError:
-        t.send("\r")
-        t.expect(re.escape(PROMPT) + "$")
+    t.expect(re.escape(PROMPT) + "$")
 
     users = ["Hello! What is your name?", "What is the capital of France?", "Name three colors."]
     replies = [t.line(u) for u in users]
