@@ -356,34 +356,27 @@ def _rows16(kind, n_tok):
     return rows16
 
 
-# per kind: one token (decode) and four at a time (verification of a few tokens)
-_q4_0_1, _q5_0_1, _q8_0_1, _q4_K_1, _q6_K_1 = (_rows16(k, 1) for k in range(5))
-_q4_0_4, _q5_0_4, _q8_0_4, _q4_K_4, _q6_K_4 = (_rows16(k, 4) for k in range(5))
+def _dispatch(n_tok):
+    """One token (decode) or four at a time (verification of a few tokens): the kernel of each
+    kind, chosen by an if-chain (numba cannot index a tuple of intrinsics at run time)."""
+    q4_0, q5_0, q8_0, q4_K, q6_K = (_rows16(k, n_tok) for k in range(5))
 
-
-@njit(inline="always")
-def _group(kind, pk, g, nb, xq, xd, isum, y, t0, four):
-    if four:
+    @njit(inline="always")
+    def group(kind, pk, g, nb, xq, xd, isum, y, t0):
         if kind == Q4_0:
-            _q4_0_4(pk, g, nb, xq, xd, isum, y, t0)
+            q4_0(pk, g, nb, xq, xd, isum, y, t0)
         elif kind == Q5_0:
-            _q5_0_4(pk, g, nb, xq, xd, isum, y, t0)
+            q5_0(pk, g, nb, xq, xd, isum, y, t0)
         elif kind == Q8_0:
-            _q8_0_4(pk, g, nb, xq, xd, isum, y, t0)
+            q8_0(pk, g, nb, xq, xd, isum, y, t0)
         elif kind == Q4_K:
-            _q4_K_4(pk, g, nb, xq, xd, isum, y, t0)
+            q4_K(pk, g, nb, xq, xd, isum, y, t0)
         else:
-            _q6_K_4(pk, g, nb, xq, xd, isum, y, t0)
-    elif kind == Q4_0:
-        _q4_0_1(pk, g, nb, xq, xd, isum, y, t0)
-    elif kind == Q5_0:
-        _q5_0_1(pk, g, nb, xq, xd, isum, y, t0)
-    elif kind == Q8_0:
-        _q8_0_1(pk, g, nb, xq, xd, isum, y, t0)
-    elif kind == Q4_K:
-        _q4_K_1(pk, g, nb, xq, xd, isum, y, t0)
-    else:
-        _q6_K_1(pk, g, nb, xq, xd, isum, y, t0)
+            q6_K(pk, g, nb, xq, xd, isum, y, t0)
+    return group
+
+
+_group1, _group4 = _dispatch(1), _dispatch(4)
 
 
 @njit(parallel=True, cache=True)
@@ -394,9 +387,9 @@ def _matmul(pk, kind, nb, xq, xd, isum, y):
     T4 = xq.shape[0] // 4 * 4
     for g in prange(pk.shape[0]):
         for t0 in range(0, T4, 4):
-            _group(kind, pk, g, nb, xq, xd, isum, y, t0, True)
+            _group4(kind, pk, g, nb, xq, xd, isum, y, t0)
         for t0 in range(T4, xq.shape[0]):
-            _group(kind, pk, g, nb, xq, xd, isum, y, t0, False)
+            _group1(kind, pk, g, nb, xq, xd, isum, y, t0)
 
 
 @njit(cache=True)
