@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runner.backends.numba_cpu import Linear
 from runner.generate import Stats, emit
 from runner.model import ModelError
 from runner.sampler import Sampler
@@ -34,6 +35,13 @@ from runner.sampler import Sampler
 DRAFT_K = 3
 LOOKUP_K = 4
 LOOKUP_NGRAM = 3
+# The draft's output layer covers the first DRAFT_HEAD ids (BPE and SentencePiece vocabularies
+# list tokens roughly from frequent to rare) and the ids it has read past them (DraftHead).
+# The 0.5b's head is 37% of the bytes its step reads. Over the 21 prompts of the real-model
+# tests, 96 tokens each, the 1.5b took 3.25 tokens a check with the whole head and 3.18 / 3.07
+# / 2.90 with 32768 / 16384 / 8192 ids; on bench's code prompt 32768 ids lost no guess, and
+# the speculative decode went from 1.46x to 1.69x plain decoding.
+DRAFT_HEAD = 32768
 
 
 @dataclass
@@ -146,12 +154,14 @@ class DraftModel:
     """A smaller model of the same vocabulary guesses by sampling its own distribution under
     the same sampler rules, with its own KV cache."""
 
-    def __init__(self, target, draft, n_ctx: int, k: int = DRAFT_K):
+    def __init__(self, target, draft, n_ctx: int, k: int = DRAFT_K, head: int = DRAFT_HEAD):
         check_compatible(target, draft)
         self.m, self.name, self.k = draft, draft.name, k
         self.n_vocab = target.cfg.n_vocab
         self.cache = draft.backend.make_cache(n_ctx)   # positions follow the target's, never past n_ctx
         self.fed: list[int] = []                       # the tokens in self.cache, in order
+        # backends without a separate output layer (test doubles) give full logits
+        self.head = DraftHead(draft.backend, head, draft.tokenizer.eog_ids) if head and hasattr(draft.backend, "output_rows") else None
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> tuple[list[int], list[np.ndarray]]:
         logits = self._sync(context)
@@ -182,7 +192,11 @@ class DraftModel:
         return self._feed(context[keep:])
 
     def _feed(self, ids: list[int]) -> np.ndarray:
-        logits = self.m.backend.forward(ids, self.cache)[-1]
+        if self.head:       # what the draft reads, it may guess
+            self.head.cover(ids)
+            logits = self.head(self.m.backend.forward(ids, self.cache, logits="hidden"))
+        else:
+            logits = self.m.backend.forward(ids, self.cache)[-1]
         self.fed += ids
         return logits
 
@@ -194,6 +208,37 @@ class DraftModel:
         q = q[:self.n_vocab]
         s = q.sum()
         return q / s if s > 0 else None
+
+
+class DraftHead:
+    """The draft's logits over the first n ids, the ids it has been fed past them and
+    ``always`` (the ends of generation); the other ids get -inf, so the draft never proposes
+    them. Exactness does not depend on the draft (a guess is only ever checked against the
+    target), so this trades a few guesses the draft can no longer make for reading far fewer
+    bytes of its output matrix a step."""
+
+    def __init__(self, backend, n: int, always=()):
+        rows = backend.output_rows
+        self.n = n if n % 16 == 0 and 2 * n <= rows.n_out else rows.n_out
+        self.rows, self.prefix = rows, backend.output.first(self.n)
+        self.logits = np.full(rows.n_out, -np.inf, np.float32)
+        self.extra_ids, self.extra, self.extra_out = [], None, None   # ids >= n covered, ascending
+        self.cover(always)
+
+    def cover(self, ids) -> None:
+        new = {t for t in ids if self.n <= t < self.rows.n_out}.difference(self.extra_ids)
+        if new:
+            self.extra_ids = sorted(new.union(self.extra_ids))
+            r = self.rows
+            self.extra = Linear(r.type_id, np.ascontiguousarray(r.raw[self.extra_ids]), r.n_in, len(self.extra_ids))
+            self.extra_out = np.zeros((1, len(self.extra_ids)), np.float32)
+
+    def __call__(self, h: np.ndarray) -> np.ndarray:
+        self.prefix(h, self.logits[:self.n].reshape(1, -1))
+        if self.extra is not None:
+            self.extra(h, self.extra_out)
+            self.logits[self.extra_ids] = self.extra_out[0]
+        return self.logits
 
 
 def check_compatible(target, draft) -> None:

@@ -27,8 +27,8 @@ from runner.generate import Done, Notice, generate
 from runner.kv_cache import KVCache
 from runner.model import ModelError, load
 from runner.sampler import Sampler, SamplerConfig
-from runner.speculative import (DRAFT_K, LOOKUP_K, LOOKUP_NGRAM, DraftModel, PromptLookup, accept_prob,
-                                check_compatible, residual, speculative_generate)
+from runner.speculative import (DRAFT_K, LOOKUP_K, LOOKUP_NGRAM, DraftHead, DraftModel, PromptLookup,
+                                accept_prob, check_compatible, residual, speculative_generate)
 from test_cli import assert_one_line_error, call_main, invoke, run
 
 GREEDY = SamplerConfig(temp=0)
@@ -183,6 +183,7 @@ def tiny(tmp_path_factory):
 PROPOSERS = {
     "draft k=4": lambda t, d, n_ctx: DraftModel(t, d, n_ctx, k=4),
     "draft k=1": lambda t, d, n_ctx: DraftModel(t, d, n_ctx, k=1),
+    "draft head 64": lambda t, d, n_ctx: DraftModel(t, d, n_ctx, k=4, head=64),   # ids past 64 from the context
     "self k=15": lambda t, d, n_ctx: DraftModel(t, t, n_ctx, k=15),   # every guess accepted
     "lookup": lambda t, d, n_ctx: PromptLookup(ngram=3, k=8),
 }
@@ -275,6 +276,29 @@ def test_stops_inside_an_accepted_run(tiny, name):
     assert evs[-1][1] == "stop" and evs[-1][2] == text[:text.index(stop)]
     evs, _ = _check_same(target, PROPOSERS[name](target, draft, 256), prompt, 256, 7)
     assert evs[-1][1] == "length" and len(evs[-1][3]) == 7
+
+
+def test_draft_head_covers_the_first_ids_and_what_it_was_fed(tiny):
+    """The first n logits as the full head computes them (the same kernel, bit for bit), the
+    fed ids and ``always`` past n to rounding (the file's rows, another kernel), -inf elsewhere;
+    and a hot draft then guesses only covered ids."""
+    _, draft = tiny
+    prompt = PROMPTS[7]
+    full = draft.backend.forward(prompt, draft.make_cache(64))[-1].copy()
+    head = DraftHead(draft.backend, 64, always=[383])
+    head.cover(prompt)
+    part = head(draft.backend.forward(prompt, draft.make_cache(64), logits="hidden"))
+    extra = sorted({t for t in prompt if t >= 64} | {383})
+    assert head.extra_ids == extra and len(extra) > 3
+    np.testing.assert_array_equal(part[:64], full[:64])
+    np.testing.assert_allclose(part[extra], full[extra], rtol=1e-5, atol=1e-5)
+    rest = np.setdiff1d(np.arange(64, len(full)), extra)
+    assert np.isneginf(part[rest]).all()
+    proposer = DraftModel(draft, draft, 64, k=4, head=64)
+    hot = Sampler(dataclasses.replace(HOT, top_k=0))
+    guesses = [t for _ in range(20) for t in proposer.propose(prompt, 4, hot)[0]]
+    assert len(set(guesses)) > 5 and set(guesses) <= set(range(64)) | set(extra)
+    assert set(guesses) & set(extra)        # fed ids are guessed too
 
 
 def test_chat_turns_are_the_same(tiny):

@@ -44,6 +44,15 @@ class Linear:
         if self.bias is not None:
             Y += self.bias
 
+    def first(self, n: int) -> Linear:
+        """The first n output rows (n a multiple of 16 when repacked)."""
+        raw = self.raw
+        if isinstance(raw, quant.packed.Packed):
+            raw = quant.packed.Packed(raw.type_id, raw.data[:n // 16], n, raw.cols)
+        else:
+            raw = raw[:n]
+        return Linear(self.type_id, raw, self.n_in, n, None if self.bias is None else self.bias[:n])
+
 
 @dataclass
 class Layer:
@@ -129,7 +138,10 @@ class NumbaCPU:
         t = f.tensors["token_embd.weight"]      # rows are looked up: the file's layout
         self.embd = Linear(t.type_id, f.raw("token_embd.weight"), t.dims[0], t.dims[1])
         self.output_norm = vec("output_norm.weight")
-        self.output = lin("token_embd.weight" if cfg.tied_output else "output.weight")
+        out = "token_embd.weight" if cfg.tied_output else "output.weight"
+        self.output = lin(out)
+        t = f.tensors[out]      # the file's rows, for a head over chosen ids (a draft's)
+        self.output_rows = Linear(t.type_id, f.raw(out), t.dims[0], t.dims[1])
         self._alloc()
 
     def _alloc(self):
@@ -158,12 +170,13 @@ class NumbaCPU:
     def forward(self, tokens, cache: KVCache, logits: str = "last") -> np.ndarray:
         """Run tokens at positions cache.n_past... and return float32 logits: (1, vocab) for the
         last token, or (n, vocab) for all. Longer inputs go in chunks. The "last" logits live
-        in a buffer that the next call overwrites: copy them to keep them."""
+        in a buffer that the next call overwrites: copy them to keep them. "hidden" returns the
+        last token's final normed state (1, n_embd) instead, for a head of the caller's."""
         tokens = np.asarray(tokens, np.int64)
         outs = []
         for s in range(0, len(tokens), self.chunk):
             last = s + self.chunk >= len(tokens)
-            out = self._forward_chunk(tokens[s:s + self.chunk], cache, "all" if logits == "all" else "last" if last else None)
+            out = self._forward_chunk(tokens[s:s + self.chunk], cache, logits if logits == "all" or last else None)
             if logits == "all":
                 outs.append(out.copy())
         return np.concatenate(outs) if logits == "all" else out
@@ -231,6 +244,9 @@ class NumbaCPU:
             x += o
         if mode is None:
             return None
+        if mode == "hidden":
+            K.rms_norm(x[-1:], self.output_norm, c.norm_eps, h[:1])
+            return h[:1]
         if mode == "last":
             rows, out = x[-1:], self.logits1
         else:
