@@ -5,15 +5,16 @@ their ratios, and the decode roofline (weight bytes read per token / measured re
     python bench/compare.py qwen2.5-coder:0.5b [more models or .gguf paths] [-t 2] [-r 3]
     python bench/compare.py qwen2.5-coder:0.5b@Q8_0 qwen2.5-coder:0.5b@Q4_0
 
-    python bench/compare.py qwen2.5-coder:1.5b --draft qwen2.5-coder:0.5b
+    python bench/compare.py qwen2.5-coder:1.5b --draft qwen2.5-coder:0.5b --code bench/prompts/code_*.txt
 
 MODEL@TYPE is MODEL requantized to TYPE (Q8_0, Q4_0) by llama.cpp's own quantizer, made once
 into NUMBAT_HOME/bench/.
 
---draft DRAFT adds greedy decoding of -n tokens after the fixed code prompt of `numbat bench`
-(cli.BENCH_CODE): llama.cpp plain, numbat plain and numbat with DRAFT speculating (k =
---draft-max), each as tokens after the first over the time after the first; numbat's plain
-and speculative runs alternate.
+--draft DRAFT adds greedy decoding of -n tokens after code prompts: the fixed one of `numbat
+bench` (cli.BENCH_CODE) and the files given with --code (bench/prompts/code_*.txt are three
+more, in Python, C and JavaScript). For each: llama.cpp plain, numbat plain and numbat with
+DRAFT speculating (k = --draft-max), as tokens after the first over the time after the first;
+numbat's plain and speculative runs alternate.
 
 Each engine runs in its own process started with the caller's environment: numbat sets
 OpenMP wait defaults when it loads (runner/env.py) and llama.cpp links the same libgomp,
@@ -36,7 +37,7 @@ ENV = dict(os.environ)          # before anything of ours sets OpenMP defaults
 
 
 def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed: int,
-           draft: str | None = None, draft_max: int = 3) -> dict:
+           draft: str | None = None, draft_max: int = 3, code_files=()) -> dict:
     """Runs in the child: warm up, then reps of pp and tg (and with a draft, greedy decoding
     on the code prompt); tok/s lists as JSON."""
     import time
@@ -45,6 +46,10 @@ def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed
         import runner.env  # noqa: F401
 
     import numpy as np
+    if draft:
+        from cli import BENCH_CODE
+        prompts = {"code": BENCH_CODE, **{f"code {Path(c).name.removeprefix('code_').split('.')[0]}": Path(c).read_text()
+                                          for c in code_files}}
     if engine == "llama.cpp":
         import llama_cpp
         llm = llama_cpp.Llama(model_path=path, n_ctx=max(p, 512) + n + 8, n_batch=512, n_ubatch=512,
@@ -60,10 +65,9 @@ def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed
             for i in ids:
                 llm.eval([i])
 
-        def code(speculate):       # plain greedy on the code prompt: rate after the first token
-            from cli import BENCH_CODE
+        def code(name, speculate):       # plain greedy on a code prompt: rate after the first token
             llm.reset()
-            llm.eval(llm.tokenize(BENCH_CODE.encode(), add_bos=True, special=False))
+            llm.eval(llm.tokenize(prompts[name].encode(), add_bos=True, special=False))
             tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
             t = time.perf_counter()
             for _ in range(n - 1):
@@ -89,19 +93,19 @@ def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed
                 m.backend.forward([i], cache)
 
         if draft:
-            from cli import BENCH_CODE
             from runner.generate import generate
             from runner.sampler import Sampler, SamplerConfig
             from runner.speculative import DraftModel, speculative_generate
-            code_ids = m.tokenizer.encode(BENCH_CODE)
-            code_cache = m.make_cache(len(code_ids) + n)
+            code_ids = {k: m.tokenizer.encode(v) for k, v in prompts.items()}
+            code_cache = m.make_cache(max(map(len, code_ids.values())) + n)
             proposer = DraftModel(m, load(draft), code_cache.n_ctx, draft_max)
 
-        def code(speculate):
+        def code(name, speculate):
             code_cache.reset()
             greedy = Sampler(SamplerConfig(temp=0))
-            events = (speculative_generate(m, code_ids, greedy, code_cache, proposer, n) if speculate
-                      else generate(m, code_ids, greedy, code_cache, n))
+            ids = code_ids[name]
+            events = (speculative_generate(m, ids, greedy, code_cache, proposer, n) if speculate
+                      else generate(m, ids, greedy, code_cache, n))
             return list(events)[-1].stats.gen_tps
     rng = np.random.default_rng(seed)
     out = {}
@@ -117,9 +121,10 @@ def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed
     # plain and speculative alternate, so that a drift of the machine's speed (minutes here)
     # does not land in their ratio; the first round warms up
     kinds = (False, True) if draft and engine != "llama.cpp" else (False,) if draft else ()
-    runs = [(speculate, code(speculate)) for _ in range(reps + 1) for speculate in kinds][len(kinds):]
-    for speculate in kinds:
-        out[f"tg{n} code" + (", draft" if speculate else "")] = [r for s, r in runs if s == speculate]
+    for name in prompts if draft else ():
+        runs = [(speculate, code(name, speculate)) for _ in range(reps + 1) for speculate in kinds][len(kinds):]
+        for speculate in kinds:
+            out[f"tg{n} {name}" + (", draft" if speculate else "")] = [r for s, r in runs if s == speculate]
     return out
 
 
@@ -127,7 +132,7 @@ def run_worker(engine, path, a) -> dict:
     cmd = [sys.executable, __file__, "--worker", engine, str(path), "-t", str(a.threads),
            "-p", str(a.p), "-n", str(a.n), "-r", str(a.reps), "--draft-max", str(a.draft_max)]
     if a.draft:
-        cmd += ["--draft", a.draft]
+        cmd += ["--draft", a.draft, "--code", *a.code]
     r = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"{engine} on {path} failed:\n{r.stderr[-2000:]}")
@@ -183,11 +188,12 @@ def main():
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("--draft", help="also greedy decoding on a code prompt, numbat speculating with this draft")
     ap.add_argument("--draft-max", type=int, default=3)
+    ap.add_argument("--code", nargs="*", default=[], help="more code prompts (files) for --draft")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         print(json.dumps(worker(a.worker, a.models[0], a.threads, a.p, a.n, a.reps, os.getpid(),
-                                a.draft, a.draft_max)))
+                                a.draft, a.draft_max, a.code)))
         return
     sys.path.insert(0, str(ROOT))
     from runner.model import resolve
@@ -207,11 +213,16 @@ def main():
             ll, nb = statistics.median(rates["llama.cpp"][test]), statistics.median(rates["numbat"][test])
             extra = f"{roof:.1f} | {nb / roof:.2f}" if test.startswith("tg") else "- | -"
             print(f"| {model} | {test} | {ll:.1f} | {nb:.1f} | {nb / ll:.2f} | {extra} |", flush=True)
-        if a.draft:         # llama.cpp decodes plainly in both rows
-            ll = statistics.median(rates["llama.cpp"][f"tg{a.n} code"])
-            for test, label in ((f"tg{a.n} code", f"tg{a.n} code"), (f"tg{a.n} code, draft", f"tg{a.n} code, numbat with draft {a.draft} k={a.draft_max}")):
-                nb = statistics.median(rates["numbat"][test])
-                print(f"| {model} | {label} | {ll:.1f} | {nb:.1f} | {nb / ll:.2f} | - | - |", flush=True)
+        spec = {}           # prompt -> (speculative / numbat plain, speculative / llama.cpp)
+        for test in [t for t in rates["llama.cpp"] if t.startswith(f"tg{a.n} code")] if a.draft else ():
+            ll = statistics.median(rates["llama.cpp"][test])     # llama.cpp decodes plainly in both rows
+            nb, sp = (statistics.median(rates["numbat"][t]) for t in (test, test + ", draft"))
+            print(f"| {model} | {test} | {ll:.1f} | {nb:.1f} | {nb / ll:.2f} | - | - |")
+            print(f"| {model} | {test}, numbat with draft {a.draft} k={a.draft_max} | {ll:.1f} | {sp:.1f} | {sp / ll:.2f} | - | - |", flush=True)
+            spec[test.removeprefix(f"tg{a.n} ")] = (sp / nb, sp / ll)
+        if spec:
+            print("\nspeculative / numbat plain: " + ", ".join(f"{k} {v[0]:.2f}" for k, v in spec.items()))
+            print("speculative / llama.cpp plain: " + ", ".join(f"{k} {v[1]:.2f}" for k, v in spec.items()))
 
 
 if __name__ == "__main__":
