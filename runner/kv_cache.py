@@ -38,13 +38,17 @@ class KVCache:
     def write_slots(self, n: int) -> list[np.ndarray]:
         """Claim slots for the next n positions in every layer; returns them per layer."""
         positions = np.arange(self.n_past, self.n_past + n)
-        out = []
+        out, known = [], {}     # layers of one shape share their slots (a decode step ran 24 times)
         for lc in self.layers:
-            s = self.slots(positions, lc.cap, lc.window)
+            key = (lc.cap, lc.window)
+            if key not in known:
+                s = self.slots(positions, lc.cap, lc.window)
+                known[key] = s, int(s.max()) + 1
+            s, hi = known[key]
             if not lc.window and positions[-1] >= lc.cap:
                 self.dropped = True
             lc.pos[s] = positions
-            lc.hi = max(lc.hi, int(s.max()) + 1)
+            lc.hi = max(lc.hi, hi)
             out.append(s)
         self.n_past += n
         return out
