@@ -47,15 +47,12 @@ def f16_round_pos(x):
 @njit(parallel=True, fastmath=False, cache=True)
 def rms_norm(x, w, eps, out):
     """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, rows of x (..., n) flattened to 2-D.
-    In ggml's steps: squares in float32 summed in float64, then mean, eps, sqrt and the
-    reciprocal in float32 (the layer's first outputs then have llama.cpp's bits)."""
-    e = f32(eps)
+    The sum is taken in float64, as ggml does."""
     for i in prange(x.shape[0]):
         s = 0.0
         for j in range(x.shape[1]):
-            s += np.float64(x[i, j] * x[i, j])
-        mean = f32(s / x.shape[1])
-        scale = f32(1) / f32(math.sqrt(mean + e))
+            s += np.float64(x[i, j]) * x[i, j]
+        scale = np.float32(1.0 / math.sqrt(s / x.shape[1] + eps))
         for j in range(x.shape[1]):
             out[i, j] = x[i, j] * scale * w[j]
 
