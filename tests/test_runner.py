@@ -152,6 +152,34 @@ def test_exp_and_f16_rounding_kernels():
     np.testing.assert_array_equal(r, (-x).astype(np.float16).astype(np.float32))
 
 
+def test_rope_store_is_rope_then_f16_rounding_into_the_slots():
+    """The fused kernel equals its numpy steps bit for bit: RoPE, q rounded to f16, k and v
+    rounded to f16 at their slots, other slots untouched; f16 rounding at the edges of the
+    range (signs, -0, subnormals, 65504, overflow to inf) as numpy's."""
+    from runner.backends.kernels import rope, rope_store
+    rng = np.random.default_rng(1)
+    n, n_head, n_kv, d, cap = 5, 4, 2, 8, 12
+    edges = np.array([0.0, -0.0, 1e-8, -3e-6, 6.1e-5, 65504, 65519, 65520, -7e4, 1e30], np.float32)
+    q = (rng.standard_normal((n, n_head, d)) * 10.0 ** rng.integers(-7, 5, (n, n_head, d))).astype(np.float32)
+    k = (rng.standard_normal((n, n_kv, d)) * 10.0 ** rng.integers(-7, 5, (n, n_kv, d))).astype(np.float32)
+    v = rng.standard_normal((n, n_kv, d)).astype(np.float32)
+    v.reshape(-1)[:len(edges)] = edges
+    pos, slots = np.arange(20, 20 + n), np.array([7, 8, 9, 10, 11])
+    args = (np.float32(10000 ** -0.25), np.float32(1), np.ones(d // 2, np.float32), True)
+    kc, vc = np.full((n_kv, cap, d), 3.0, np.float32), np.full((n_kv, cap, d), 3.0, np.float32)
+    q2, k2 = q.copy(), k.copy()
+    rope_store(q, k, v, pos, *args, slots, kc, vc)
+    rope(q2, pos, *args)
+    rope(k2, pos, *args)
+    with np.errstate(over="ignore"):    # the overflow to inf is what is tested
+        q2, k2, v2 = (a.astype(np.float16).astype(np.float32) for a in (q2, k2, v))
+    np.testing.assert_array_equal(q.view(np.int32), q2.view(np.int32))
+    np.testing.assert_array_equal(kc[:, slots].view(np.int32), k2.transpose(1, 0, 2).view(np.int32))
+    np.testing.assert_array_equal(vc[:, slots].view(np.int32), v2.transpose(1, 0, 2).view(np.int32))
+    assert (kc[:, :7] == 3).all() and (vc[:, :7] == 3).all()
+    assert np.isinf(vc[0, 7, 7]) and np.isinf(vc[1, 7, 0]) and vc[0, 7, 5] == 65504   # 65520 and 1e30 overflow
+
+
 # ---------------------------------------------------------------- generate
 
 def test_generate_streams_decoded_text_and_stops_on_length(tiny):

@@ -44,6 +44,34 @@ def f16_round_pos(x):
     return sub if x < f32(6.103515625e-05) else bits_f32(b)
 
 
+@njit(inline="always")
+def f16_round(x):
+    """x rounded to the nearest float16 as float32, as numpy's astype(float16) gives it:
+    signs, subnormals, ties to even, inf past 65519.99 and NaN kept."""
+    a = abs(x)
+    r = f16_round_pos(a) if a < f32(65520) else (f32(np.inf) if a == a else a)
+    return -r if f32_bits(x) < 0 else r       # the sign bit: -0.0 stays -0.0
+
+
+@njit(cache=True)
+def rope_store(q, k, v, positions, theta_scale, freq_scale, freq_factors, neox, slots, kc, vc):
+    """One layer's new tokens into its cache: RoPE on q (n, n_head, d) and k (n, n_kv, d),
+    q rounded to f16 in place, and k and v (n, n_kv, d) stored f16-rounded at their slots of
+    kc, vc (n_kv, cap, d), as llama.cpp's f16 cache holds them. One serial call: decode's
+    few tokens do not pay for starting threads, nor for five numpy steps."""
+    rope(q, positions, theta_scale, freq_scale, freq_factors, neox)
+    rope(k, positions, theta_scale, freq_scale, freq_factors, neox)
+    for t in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            for j in range(q.shape[2]):
+                q[t, h, j] = f16_round(q[t, h, j])
+        s = slots[t]
+        for h in range(k.shape[1]):
+            for j in range(k.shape[2]):
+                kc[h, s, j] = f16_round(k[t, h, j])
+                vc[h, s, j] = f16_round(v[t, h, j])
+
+
 @njit(parallel=True, fastmath=False, cache=True)
 def rms_norm(x, w, eps, out):
     """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, rows of x (..., n) flattened to 2-D.
@@ -57,14 +85,14 @@ def rms_norm(x, w, eps, out):
             out[i, j] = x[i, j] * scale * w[j]
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def rope(x, positions, theta_scale, freq_scale, freq_factors, neox):
     """Rotate x (n_tok, n_heads, head_dim) in place. neox: pairs (i, i + d/2); else (2i, 2i+1).
     Angles as ggml computes them, in float32: theta starts at the position and is multiplied
     by theta_scale once per pair; cos/sin of theta / factor * freq_scale. Only the first
     2*len(freq_factors) dims rotate."""
     half = freq_factors.shape[0]
-    for t in prange(x.shape[0]):
+    for t in range(x.shape[0]):
         theta = np.float32(positions[t])
         for i in range(half):
             ang = theta / freq_factors[i] * freq_scale

@@ -207,12 +207,9 @@ class NumbaCPU:
             if L.q_norm is not None:
                 K.rms_norm(q3.reshape(-1, hd), L.q_norm, c.norm_eps, q3.reshape(-1, hd))
                 K.rms_norm(k3.reshape(-1, hd), L.k_norm, c.norm_eps, k3.reshape(-1, hd))
-            K.rope(q3, positions, L.theta_scale, self.freq_scale, self.freq_factors, c.rope_neox)
-            K.rope(k3, positions, L.theta_scale, self.freq_scale, self.freq_factors, c.rope_neox)
             # the cache holds f16 values, as llama.cpp's default f16 cache does (see K.attention)
-            lc.k[:, sl] = k3.transpose(1, 0, 2).astype(np.float16)
-            lc.v[:, sl] = v.reshape(n, c.n_head_kv, hd).transpose(1, 0, 2).astype(np.float16)
-            q3[...] = q3.astype(np.float16)
+            K.rope_store(q3, k3, v.reshape(n, c.n_head_kv, hd), positions, L.theta_scale, self.freq_scale,
+                         self.freq_factors, c.rope_neox, sl, lc.k, lc.v)
             if n <= SMALL_BATCH:   # decode and verification: the same per-query kernel
                 K.attention(q3, positions, lc.k, lc.v, lc.pos, lc.hi, L.window, np.float32(hd ** -0.5),
                             attn.reshape(n, c.n_head, hd), self.scratch)
