@@ -38,7 +38,7 @@ class KVCache:
     def write_slots(self, n: int) -> list[np.ndarray]:
         """Claim slots for the next n positions in every layer; returns them per layer."""
         positions = np.arange(self.n_past, self.n_past + n)
-        out, known = [], {}     # layers of one shape share their slots (a decode step ran 24 times)
+        out, known = [], {}     # layers of one capacity and window share their slots: computed once
         for lc in self.layers:
             key = (lc.cap, lc.window)
             if key not in known:

@@ -222,13 +222,15 @@ class DraftHead:
         self.n = n if n % 16 == 0 and 2 * n <= rows.n_out else rows.n_out
         self.rows, self.prefix = rows, backend.output.first(self.n)
         self.logits = np.full(rows.n_out, -np.inf, np.float32)
-        self.extra_ids, self.extra, self.extra_out = [], None, None   # ids >= n covered, ascending
+        self.covered: set[int] = set()              # the ids >= n covered
+        self.extra_ids, self.extra, self.extra_out = np.zeros(0, np.int64), None, None
         self.cover(always)
 
     def cover(self, ids) -> None:
-        new = {t for t in ids if self.n <= t < self.rows.n_out}.difference(self.extra_ids)
-        if new:
-            self.extra_ids = sorted(new.union(self.extra_ids))
+        new = {t for t in ids if self.n <= t < self.rows.n_out} - self.covered
+        if new:     # the rows of the covered ids, gathered again (rare: new ids only)
+            self.covered |= new
+            self.extra_ids = np.array(sorted(self.covered), np.int64)
             r = self.rows
             self.extra = Linear(r.type_id, np.ascontiguousarray(r.raw[self.extra_ids]), r.n_in, len(self.extra_ids))
             self.extra_out = np.zeros((1, len(self.extra_ids)), np.float32)

@@ -289,7 +289,7 @@ def test_draft_head_covers_the_first_ids_and_what_it_was_fed(tiny):
     head.cover(prompt)
     part = head(draft.backend.forward(prompt, draft.make_cache(64), logits="hidden"))
     extra = sorted({t for t in prompt if t >= 64} | {383})
-    assert head.extra_ids == extra and len(extra) > 3
+    assert head.extra_ids.tolist() == extra and len(extra) > 3
     np.testing.assert_array_equal(part[:64], full[:64])
     np.testing.assert_allclose(part[extra], full[extra], rtol=1e-5, atol=1e-5)
     rest = np.setdiff1d(np.arange(64, len(full)), extra)
