@@ -220,9 +220,10 @@ def main():
             print(f"| {model} | {test} | {ll:.1f} | {nb:.1f} | {nb / ll:.2f} | - | - |")
             print(f"| {model} | {test}, numbat with draft {a.draft} k={a.draft_max} | {ll:.1f} | {sp:.1f} | {sp / ll:.2f} | - | - |", flush=True)
             spec[test.removeprefix(f"tg{a.n} ")] = (sp / nb, sp / ll)
-        if spec:
-            print("\nspeculative / numbat plain: " + ", ".join(f"{k} {v[0]:.2f}" for k, v in spec.items()))
-            print("speculative / llama.cpp plain: " + ", ".join(f"{k} {v[1]:.2f}" for k, v in spec.items()))
+        for i, base in enumerate(("numbat plain", "llama.cpp plain") if spec else ()):
+            gm = statistics.geometric_mean(v[i] for v in spec.values())
+            print(("\n" if i == 0 else "") + f"speculative / {base}: " + ", ".join(f"{k} {v[i]:.2f}" for k, v in spec.items())
+                  + f" (geometric mean {gm:.2f})")
 
 
 if __name__ == "__main__":
