@@ -39,7 +39,7 @@ ENV = dict(os.environ)          # before anything of ours sets OpenMP defaults
 def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed: int,
            draft: str | None = None, draft_max: int = 3, code_files=()) -> dict:
     """Runs in the child: warm up, then reps of pp and tg (and with a draft, greedy decoding
-    on the code prompt); tok/s lists as JSON."""
+    on the code prompts); tok/s lists as JSON."""
     import time
     if engine != "llama.cpp":      # numbat's thread-pool defaults, as its CLI sets them
         sys.path.insert(0, str(ROOT))
