@@ -97,7 +97,7 @@ def verify(sampler: Sampler, rows: np.ndarray, history: list[int], guesses: list
             out.append(x)
         else:
             return out + [sampler.sample(residual(p, q, x))]
-    return out + [sampler.sample(sampler.dist(rows[len(guesses)], history + out))]
+    return out + [sampler.next(rows[len(guesses)], history + out)]
 
 
 def speculative_generate(model, prompt_ids: list[int], sampler: Sampler, cache, proposer,
