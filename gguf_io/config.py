@@ -34,6 +34,7 @@ class ModelConfig:
     qk_norm: bool = False
     post_norms: bool = False        # gemma3: norms after attention and after the FFN
     embed_scale: float = 1.0
+    scale_q: bool = False           # gemma3: 1/sqrt(head_dim) multiplies q (before f16), not the scores
     act: str = "silu"               # silu | gelu_tanh
     tied_output: bool = False
 
@@ -82,4 +83,4 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
     # the oracle tests check it. Every 6th layer is global; the others use a 10k-base rope.
     return ModelConfig(**common, rope_neox=True, rope_base_local=10000.0,
                        sliding_window=get("attention.sliding_window", 0) or 0, swa_period=6,
-                       post_norms=True, embed_scale=math.sqrt(n_embd), act="gelu_tanh")
+                       post_norms=True, embed_scale=math.sqrt(n_embd), act="gelu_tanh", scale_q=True)

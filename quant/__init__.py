@@ -58,12 +58,16 @@ def _buffer(key, shape) -> np.ndarray:
 
 
 def matmul(type_id: int, raw: np.ndarray, X: np.ndarray, Y: np.ndarray, rounded: dict | None = None) -> None:
-    """Y (n, rows) = X (n, cols) @ W.T for W given as raw blocks (rows, row_bytes).
+    """Y (n, rows) = X (n, cols) @ W.T for W given as raw blocks (rows, row_bytes) or a
+    quant.packed.Packed.
     ``rounded``: a dict the caller keeps while X is unchanged, so weights that share X (Q, K
     and V; gate and up) round it once per kind."""
     q = qtype(type_id)
     rows, cols = raw.shape[0], X.shape[1]
-    if isinstance(raw, packed.Packed) or gemm8.supports(type_id):   # repacked only where gemm8 runs
+    if isinstance(raw, packed.Packed):      # llama.cpp's float order for a batch of len(X)
+        packed.matmul_rows(raw, X, Y)
+        return
+    if gemm8.supports(type_id):
         gemm8.matmul(type_id, q.block_size, q.type_size, raw, X, Y, rounded)
         return
     if type_id == T.F32:

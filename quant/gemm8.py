@@ -104,7 +104,6 @@ _m16, _m16_1 = _micro(16, TOKENS), _micro(16, 1)
 # LLVM vectorizes the loops (indices from a runtime offset made them scalar gathers).
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = range(10)
-PACKED = 10     # + quant.packed's kind: weights repacked at load, 16 rows per group
 
 
 @njit(inline="always")
@@ -190,64 +189,6 @@ def _unpack(kind, w, u, j0, so, r, F16):
 
 # ---------------------------------------------------------------- the GEMM and its activations
 
-@njit(inline="always")
-def _unpack_group(kind, grp, K, panel, so, F16):
-    """A group of quant.packed (16 rows, all K columns) into a panel: its chunks are already
-    a panel's 64-byte steps, nibbles split (and Q5_0's fifth bits added)."""
-    if kind == PACKED + 4:                # Q6_K: ql chunks, then qh chunks (quant.packed)
-        for b in range(K // 256):
-            ob = grp[b * 3360:]
-            for i in range(16):
-                d = _f16(ob, 3328 + 2 * i, F16)
-                for j in range(16):
-                    dl = d * np.float32(np.int8(ob[3072 + 16 * j + i]))
-                    _sub(so, i, 16 * b + j, dl, -dl * np.float32(32))
-            for h in range(2):
-                for k in range(2):
-                    for c in range(8):
-                        ql, qh = ob[64 * (16 * h + 8 * k + c):], ob[64 * (32 + 8 * h + c):]
-                        lo = panel[(64 * b + 32 * h + 8 * k + c) * 64:]
-                        hi = panel[(64 * b + 32 * h + 8 * (k + 2) + c) * 64:]
-                        for t in range(64):
-                            lo[t] = (ql[t] & 15) | (((qh[t] >> (2 * k)) & 3) << 4)
-                            hi[t] = (ql[t] >> 4) | (((qh[t] >> (2 * k + 4)) & 3) << 4)
-        return
-    if kind == PACKED + 3:                # Q4_K: 256-value blocks of 2368 bytes
-        for b in range(K // 256):
-            ob = grp[b * 2368:]
-            for i in range(16):
-                d, dmin = _f16(ob, 2304 + 2 * i, F16), _f16(ob, 2336 + 2 * i, F16)
-                for j in range(8):
-                    _sub(so, i, 8 * b + j, d * np.float32(ob[2048 + 16 * j + i]), -dmin * np.float32(ob[2176 + 16 * j + i]))
-            for k in range(32):           # chunk 8p + c: low nibbles step 16p + c, high 16p + 8 + c
-                lo, hi = panel[(64 * b + 16 * (k >> 3) + (k & 7)) * 64:], panel[(64 * b + 16 * (k >> 3) + 8 + (k & 7)) * 64:]
-                for t in range(64):
-                    lo[t] = ob[64 * k + t] & 15
-                    hi[t] = ob[64 * k + t] >> 4
-        return
-    nb = K // 32
-    gb = 544 if kind == PACKED + 2 else 352 if kind == PACKED + 1 else 288
-    off = np.float32(128 if kind == PACKED + 2 else 16 if kind == PACKED + 1 else 8)
-    for b in range(nb):
-        ob = grp[b * gb:]
-        for i in range(16):
-            d = _f16(ob, gb - 32 + 2 * i, F16)
-            _sub(so, i, b, d, -d * off)
-        if kind == PACKED + 2:
-            for t in range(512):
-                panel[b * 512 + t] = ob[t]
-        else:
-            for c in range(4):
-                lo, hi = panel[(8 * b + c) * 64:], panel[(8 * b + 4 + c) * 64:]
-                for t in range(64):
-                    lo[t] = ob[64 * c + t] & 15
-                    hi[t] = ob[64 * c + t] >> 4
-                if kind == PACKED + 1:
-                    for t in range(64):
-                        lo[t] |= ((ob[256 + 16 * c + (t >> 3)] >> (t & 7)) & 1) << 4
-                        hi[t] |= ((ob[264 + 16 * c + (t >> 3)] >> (t & 7)) & 1) << 4
-
-
 @njit(parallel=True, fastmath=True, cache=True)
 def gemm(raw, kind, S, bsize, tsize, X8, D, Y, F16):
     """Y (M, rows) = the rows of raw (blocks of bsize values in tsize bytes) against X8 (M, K)
@@ -261,9 +202,7 @@ def gemm(raw, kind, S, bsize, tsize, X8, D, Y, F16):
         so = np.zeros(nsub * 32, np.float32)
         tmp = np.empty(K, np.uint8)
         t32, p32 = tmp.view(np.uint32), panel.view(np.uint32)
-        if kind >= PACKED:              # a repacked group of 16 rows: one unpack
-            _unpack_group(kind, raw[p], K, panel, so, F16)
-        for r in range(0 if kind >= PACKED else n):
+        for r in range(n):
             w = raw[16 * p + r]
             for b in range(K // bsize):
                 _unpack(kind, w[b * tsize:], tmp[b * bsize:], b * bsize // S, so, r, F16)
@@ -323,12 +262,10 @@ def supports(type_id: int) -> bool:
 
 def matmul(type_id: int, bsize: int, tsize: int, raw, X: np.ndarray, Y: np.ndarray,
            rounded: dict | None = None) -> None:
-    """Y (M, rows) = X (M, K) @ W.T, W raw blocks or a quant.packed.Packed; ``rounded`` as
-    in quant.matmul (keys (S, per256))."""
+    """Y (M, rows) = X (M, K) @ W.T, W raw blocks; ``rounded`` as in quant.matmul (keys
+    (S, per256))."""
     kind = KINDS[type_id]
     S, per256 = (16 if kind in (Q2_K, Q3_K, Q6_K) else 32), kind >= Q2_K
-    if not isinstance(raw, np.ndarray):        # repacked at load
-        kind, raw = PACKED + raw.kind, raw.data
     key = (S, per256)
     acts = rounded.get(key) if rounded is not None else None
     if acts is None:

@@ -205,7 +205,7 @@ def pack_file(f, names, groups=()) -> dict:
 PREFETCH = {1: 2048, 4: 8192}
 
 
-def _rows16(kind, n_tok):
+def _rows16(kind, n_tok, batch=False):
     """Y[t0 + t, 16g:16g+16] = group g of pk (2-D) . X[t0 + t] for t < n_tok, over nb blocks:
     X as xq (T, n) int8, xd (T, blocks) float32 scales, isum (T, .) sums of xq per 32 values
     (int32; Q4_K int16; Q6_K 32 times the sums per 16). Each token's lanes go through the
@@ -249,7 +249,8 @@ def _rows16(kind, n_tok):
             def halves16(o):
                 return builder.fpext(load(o, ir.VectorType(ir.HalfType(), 16)), V16F)
 
-            acc = [cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(n_tok)]
+            n_acc = 2 if kind == Q4_K else 8
+            acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(n_acc)] for _ in range(n_tok)]
             prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
                                                       "llvm.prefetch.p0i8")
             low4, top2, zero = ir.Constant(V64B, [15] * 64), ir.Constant(V64B, [48] * 64), ir.Constant(V16I, None)
@@ -258,7 +259,9 @@ def _rows16(kind, n_tok):
                 o = builder.add(gbase, builder.mul(b, c(gb)))
                 for line in range(0, gb, 64):      # read, keep in all caches, data
                     builder.call(prefetch, [builder.gep(base, [builder.add(o, c(pf + line))]), *(ir.Constant(I32, v) for v in (0, 3, 1))])
-                if kind == Q6_K:
+                if kind == Q6_K and batch:
+                    # llama.cpp's tiled batch kernel: the block's whole integer sum
+                    # I = sum_j sc_j (q - 32) . x_j, then y = fma((I * d_w), d_x, y)
                     x0 = builder.mul(b, c(256))
                     ia = [zero] * n_tok
                     for h in range(2):
@@ -269,7 +272,6 @@ def _rows16(kind, n_tok):
                                 for k in range(2):
                                     ql = load(builder.add(o, c(64 * (16 * h + 8 * k + ch))), V64B)
                                     for s_, nib in ((k, builder.and_(ql, low4)), (k + 2, builder.lshr(ql, ir.Constant(V64B, [4] * 64)))):
-                                        # the value q (0..63): bits 2s_, 2s_ + 1 of hb on top of the nibble
                                         sh = 4 - 2 * s_
                                         top = (builder.shl if sh > 0 else builder.lshr)(hb, ir.Constant(V64B, [abs(sh)] * 64))
                                         w = builder.or_(nib, builder.and_(top, top2))
@@ -284,12 +286,41 @@ def _rows16(kind, n_tok):
                                     ia[t] = builder.add(ia[t], builder.mul(builder.sub(dots[s_][t], _splat(builder, s32, V16I)), sc))
                     d = halves16(builder.add(o, c(3328)))
                     for t in range(n_tok):
-                        v = builder.sitofp(ia[t], V16F)
-                        dx = scalar(txd, axd, t, ldd, b, F32)       # (xd * d) * v, as the row kernel
-                        builder.store(builder.fadd(builder.load(acc[t]), builder.fmul(builder.fmul(_splat(builder, dx, V16F), d), v)), acc[t])
+                        dx = _splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F)
+                        a = acc[t][0]
+                        builder.store(builder.call(fma, [builder.fmul(builder.sitofp(ia[t], V16F), d), dx, builder.load(a)]), a)
+                elif kind == Q6_K:
+                    # llama.cpp's lanes (vec_dot_q6_K_q8_K): lane l sums, over the eight runs of
+                    # 32 values, scale * (q . x) of values 4l..4l+3 of the run, less 32 * (the
+                    # scaled x-sums of sub-blocks 2l and 2l + 1); then d * lane into lane l
+                    x0 = builder.mul(b, c(256))
+                    d = halves16(builder.add(o, c(3328)))
+                    sc = [builder.sext(load(builder.add(o, c(3072 + 16 * j)), ir.VectorType(I8, 16)), V16I) for j in range(16)]
+                    for ch in range(8):
+                        lane = [zero] * n_tok
+                        for h in range(2):
+                            hb = load(builder.add(o, c(64 * (32 + 8 * h + ch))), V64B)
+                            for k in range(2):
+                                ql = load(builder.add(o, c(64 * (16 * h + 8 * k + ch))), V64B)
+                                for s_, nib in ((k, builder.and_(ql, low4)), (k + 2, builder.lshr(ql, ir.Constant(V64B, [4] * 64)))):
+                                    # the value q (0..63): bits 2s_, 2s_ + 1 of hb on top of the nibble
+                                    sh = 4 - 2 * s_
+                                    top = (builder.shl if sh > 0 else builder.lshr)(hb, ir.Constant(V64B, [abs(sh)] * 64))
+                                    w = builder.or_(nib, builder.and_(top, top2))
+                                    j = 8 * h + 2 * s_ + ch // 4
+                                    for t in range(n_tok):
+                                        xo = builder.add(x0, c(128 * h + 32 * s_ + 4 * ch))
+                                        lane[t] = builder.add(lane[t], builder.mul(builder.call(dpbusd, [zero, w, xword(t, xo)]), sc[j]))
+                        for t in range(n_tok):      # isum: 32 times the sums per 16
+                            s0 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(2 * ch)), I32)
+                            s1 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(2 * ch + 1)), I32)
+                            less = builder.add(builder.mul(sc[2 * ch], _splat(builder, s0, V16I)), builder.mul(sc[2 * ch + 1], _splat(builder, s1, V16I)))
+                            dd = builder.fmul(_splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F), d)
+                            a = acc[t][ch]
+                            builder.store(builder.call(fma, [dd, builder.sitofp(builder.sub(lane[t], less), V16F), builder.load(a)]), a)
                 elif kind == Q4_K:
                     x0 = builder.mul(b, c(256))
-                    ia = [zero] * n_tok
+                    ia, pia = [zero] * n_tok, []
                     for p in range(4):
                         dlo, dhi = [zero] * n_tok, [zero] * n_tok
                         for ch in range(8):
@@ -301,6 +332,9 @@ def _rows16(kind, n_tok):
                         sl, sh = bytes16(builder.add(o, c(2048 + 32 * p))), bytes16(builder.add(o, c(2064 + 32 * p)))
                         for t in range(n_tok):
                             ia[t] = builder.add(ia[t], builder.add(builder.mul(dlo[t], sl), builder.mul(dhi[t], sh)))
+                        if batch:       # the gemm kernel: both chains per pair of sub-blocks
+                            pia.append(ia)
+                            ia = [zero] * n_tok
                     d, dmin = halves16(builder.add(o, c(2304))), halves16(builder.add(o, c(2336)))
                     # sum_j m_j * (sum of x over sub-block j): pairs of mins as int16 against
                     # pairs of the sums (isum is int16 here), two per lane and vpdpwssd
@@ -310,21 +344,30 @@ def _rows16(kind, n_tok):
                         inter = builder.shuffle_vector(two, two, ir.Constant(ir.VectorType(I32, 32), [i // 2 + 16 * (i % 2) for i in range(32)]))
                         mp.append(builder.zext(inter, V32H))
                     for t in range(n_tok):
+                        # llama.cpp's q4_K 8x8 kernels: two chains, scales and mins, apart; the
+                        # gemv adds once per block, the gemm (batch) once per pair of sub-blocks
+                        dx = _splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F)
+                        a, am = acc[t][0], acc[t][1]
                         mins = zero
                         for k in range(4):
                             pair = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(8)), c(2 * k)), I32)
                             mins = builder.call(dpwssd, [mins, mp[k], builder.bitcast(_splat(builder, pair, V16I), V32H)])
-                        dx = scalar(txd, axd, t, ldd, b, F32)
-                        v = builder.fsub(builder.fmul(d, builder.sitofp(ia[t], V16F)), builder.fmul(dmin, builder.sitofp(mins, V16F)))
-                        builder.store(builder.fadd(builder.load(acc[t]), builder.fmul(_splat(builder, dx, V16F), v)), acc[t])
+                            if batch:
+                                builder.store(builder.call(fma, [builder.sitofp(pia[k][t], V16F), builder.fmul(d, dx), builder.load(a)]), a)
+                                builder.store(builder.call(fma, [builder.sitofp(mins, V16F), builder.fmul(dmin, dx), builder.load(am)]), am)
+                                mins = zero
+                        if not batch:
+                            builder.store(builder.call(fma, [builder.sitofp(ia[t], V16F), builder.fmul(d, dx), builder.load(a)]), a)
+                            builder.store(builder.call(fma, [builder.sitofp(mins, V16F), builder.fmul(dmin, dx), builder.load(am)]), am)
                 else:
+                    # llama.cpp's lanes (vec_dot / tinyBLAS over Q8_0 activations): lane l is the
+                    # integer dot of values 4l..4l+3 of each block, d_w * d_x times it into lane l
                     x0 = builder.mul(b, c(32))
-                    ia = [zero] * n_tok
+                    d = halves16(builder.add(o, c(gb - 32)))
+                    runs = []           # (lane, unsigned values, first value)
                     if kind == Q8_0:
                         for ch in range(8):
-                            u = load(builder.add(o, c(64 * ch)), V64B)
-                            for t in range(n_tok):
-                                ia[t] = builder.call(dpbusd, [ia[t], u, xword(t, builder.add(x0, c(4 * ch)))])
+                            runs.append((ch, load(builder.add(o, c(64 * ch)), V64B), 4 * ch))
                     else:
                         for ch in range(4):
                             q = load(builder.add(o, c(64 * ch)), V64B)
@@ -338,28 +381,36 @@ def _rows16(kind, n_tok):
                                         lo = builder.or_(lo, bits)
                                     else:
                                         hi = builder.or_(hi, bits)
-                            for t in range(n_tok):
-                                ia[t] = builder.call(dpbusd, [ia[t], lo, xword(t, builder.add(x0, c(4 * ch)))])
-                                ia[t] = builder.call(dpbusd, [ia[t], hi, xword(t, builder.add(x0, c(16 + 4 * ch)))])
-                    d = halves16(builder.add(o, c(gb - 32)))
+                            runs += [(ch, lo, 4 * ch), (4 + ch, hi, 16 + 4 * ch)]
                     for t in range(n_tok):
-                        s = scalar(tis, aisum, t, lds, b, I32)
-                        v = builder.sub(ia[t], _splat(builder, builder.mul(s, ir.Constant(I32, off)), V16I))
-                        dx = scalar(txd, axd, t, ldd, b, F32)
-                        builder.store(builder.call(fma, [builder.sitofp(v, V16F), builder.fmul(d, _splat(builder, dx, V16F)),
-                                                         builder.load(acc[t])]), acc[t])
+                        dd = builder.fmul(d, _splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F))
+                        for lane, u, v0 in runs:     # isum: the sums per 4 values; the offset starts the dot
+                            s4 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(8)), c(v0 // 4)), I32)
+                            init = _splat(builder, builder.mul(s4, ir.Constant(I32, -off)), V16I)
+                            v = builder.call(dpbusd, [init, u, xword(t, builder.add(x0, c(v0)))])
+                            a = acc[t][lane]
+                            builder.store(builder.call(fma, [dd, builder.sitofp(v, V16F), builder.load(a)]), a)
             for t in range(n_tok):
+                a = [builder.load(v) for v in acc[t]]
+                if kind == Q4_K:
+                    out = builder.fsub(a[0], a[1])
+                elif kind == Q6_K and batch:
+                    out = a[0]
+                else:       # hsum_float_8's order
+                    out = builder.fadd(builder.fadd(builder.fadd(a[4], a[0]), builder.fadd(a[6], a[2])),
+                                       builder.fadd(builder.fadd(a[5], a[1]), builder.fadd(a[7], a[3])))
                 dst = _ptr(context, builder, ty, ay, builder.add(row(t, ldy), builder.mul(ag, c(16))), V16F)
-                builder.store(builder.load(acc[t]), dst, align=4)
+                builder.store(out, dst, align=4)
             return context.get_dummy_value()
         return types.none(pk, g, nb, xq, xd, isum, y, t0), codegen
     return rows16
 
 
-def _dispatch(n_tok):
-    """One token (decode) or four at a time (verification of a few tokens): the kernel of each
-    kind, chosen by an if-chain (numba cannot index a tuple of intrinsics at run time)."""
-    q4_0, q5_0, q8_0, q4_K, q6_K = (_rows16(k, n_tok) for k in range(5))
+def _dispatch(n_tok, batch=False):
+    """One token (decode) or four at a time (verification of a few tokens, or a batch): the
+    kernel of each kind, chosen by an if-chain (numba cannot index a tuple of intrinsics at
+    run time)."""
+    q4_0, q5_0, q8_0, q4_K, q6_K = (_rows16(k, n_tok, batch) for k in range(5))
 
     @njit(inline="always")
     def group(kind, pk, g, nb, xq, xd, isum, y, t0):
@@ -376,17 +427,20 @@ def _dispatch(n_tok):
     return group
 
 
-_group1, _group4 = _dispatch(1), _dispatch(4)
+_group1, _group4, _group4b = _dispatch(1), _dispatch(4), _dispatch(4, True)
 
 
 @njit(parallel=True, cache=True)
-def _matmul(pk, kind, nb, xq, xd, isum, y):
-    """y (T, rows) for the T tokens of xq: four at a time, then one. Not fastmath: LLVM
-    would then be free to fuse or reorder the float steps differently in the 1- and 4-token
-    kernels, and a token checked in a group must get the bits it gets alone."""
+def _matmul(pk, kind, nb, xq, xd, isum, y, nbatch):
+    """y (T, rows) for the T tokens of xq: the first nbatch (a multiple of four) by the batch
+    kernels, the rest four at a time, then one, by decode's. Not fastmath: LLVM would then be
+    free to fuse or reorder the float steps differently in the 1- and 4-token kernels, and a
+    token checked in a group must get the bits it gets alone."""
     T4 = xq.shape[0] // 4 * 4
     for g in prange(pk.shape[0]):
-        for t0 in range(0, T4, 4):
+        for t0 in range(0, nbatch, 4):
+            _group4b(kind, pk, g, nb, xq, xd, isum, y, t0)
+        for t0 in range(nbatch, T4, 4):
             _group4(kind, pk, g, nb, xq, xd, isum, y, t0)
         for t0 in range(T4, xq.shape[0]):
             _group1(kind, pk, g, nb, xq, xd, isum, y, t0)
@@ -406,12 +460,14 @@ def _quantize_k(X, q4, m, xq, xd, bs16, bs32, sums):
 
 
 @njit(cache=True)
-def _quantize_0(X, m, xq, xd, xs, isum):
-    """The rows of X as Q8_0 (isum: the sums per 32), rows up to m zero."""
+def _quantize_0(X, m, xq, xd, xs, s32, sum4):
+    """The rows of X as Q8_0 (sum4: the sums per 4 values), rows up to m zero."""
     for i in range(X.shape[0]):
-        quantize_q8_0(X[i], xq[i], xd[i], xs, isum[i])
+        quantize_q8_0(X[i], xq[i], xd[i], xs, s32)
+        for j in range(sum4.shape[1]):
+            sum4[i, j] = np.int32(xq[i, 4 * j]) + np.int32(xq[i, 4 * j + 1]) + np.int32(xq[i, 4 * j + 2]) + np.int32(xq[i, 4 * j + 3])
     for i in range(X.shape[0], m):
-        xq[i], xd[i], isum[i] = 0, 0, 0
+        xq[i], xd[i], sum4[i] = 0, 0, 0
 
 
 _bufs: dict[tuple, tuple] = {}
@@ -419,23 +475,25 @@ _bufs: dict[tuple, tuple] = {}
 
 def _quantized(p: Packed, X: np.ndarray, m: int):
     """X (T, cols) as the kernels read it, padded with zero rows to m >= T: views of m rows
-    of xq, xd and the sums (see _quantize_k), and the blocks per row."""
+    of xq, xd and the sums (see _quantize_k; Q4_0/Q5_0/Q8_0: the sums per 4 values), and the
+    blocks per row. The buffers grow to the largest m asked for, once."""
     key = (p.kind, p.cols)
     b = _bufs.get(key)
     c, k = p.cols, p.kind in (Q4_K, Q6_K)
-    if b is None:
-        z = lambda n, t: np.zeros((ROWS, n), t)
+    if b is None or b[0].shape[0] < m:
+        z = lambda n, t: np.zeros((max(ROWS, m), n), t)
         if k:       # xq, xd, sums per 16 and per 32, the kernel's sums
             b = (z(c, np.int8), z(c // 256, np.float32), z(c // 16, np.int32), z(c // 32, np.int32),
                  z(c // 32, np.int16) if p.kind == Q4_K else z(c // 16, np.int32), {})
-        else:       # xq, xd, Q8_1's s (unused), the sums per 32
-            b = (z(c, np.int8), z(c // 32, np.float32), np.zeros(c // 32, np.float32), None, z(c // 32, np.int32), {})
+        else:       # xq, xd, Q8_1's s and the sums per 32 (unused), the sums per 4
+            b = (z(c, np.int8), z(c // 32, np.float32), np.zeros(c // 32, np.float32), np.zeros(c // 32, np.int32),
+                 z(c // 4, np.int32), {})
         _bufs[key] = b
     xq, xd, s1, s2, sums, views = b
     if k:
         _quantize_k(X, p.kind == Q4_K, m, xq, xd, s1, s2, sums)
     else:
-        _quantize_0(X, m, xq, xd, s1, sums)
+        _quantize_0(X, m, xq, xd, s1, s2, sums)
     v = views.get(m)
     if v is None:
         v = views[m] = (xq[:m], xd[:m], sums[:m], c // (256 if k else 32))
@@ -445,8 +503,20 @@ def _quantized(p: Packed, X: np.ndarray, m: int):
 _ybuf: dict[int, np.ndarray] = {}
 
 
-def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray) -> None:
-    """Y (T, rows) for X (T, cols), T <= ROWS; each row of Y has the bits matvec gives.
+def batch_tokens(kind: int, n: int) -> int:
+    """How many of n tokens llama.cpp's batch kernels take (the rest get decode's float
+    order): Q4_K's gemm takes whole fours (the rest go through its gemv), Q6_K's tiled kernel
+    all of a batch of 8 or more; the Q8_0-activation kinds have one order for all."""
+    if kind == Q4_K:
+        return n - n % 4
+    if kind == Q6_K and n >= 8:
+        return -(-n // 4) * 4
+    return 0
+
+
+def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True) -> None:
+    """Y (T, rows) for X (T, cols), with the float steps of llama.cpp's kernels for a batch of
+    T (batch) or, for every row, those of a single token (decode; speculative verification).
     Above one token the kernels take four at a time, each group of weights read once; T
     that is not a multiple of four is padded with zero tokens (cheaper than more reads)."""
     if X.shape[1] != p.cols:
@@ -454,13 +524,14 @@ def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray) -> None:
     n = X.shape[0]
     m = n if n == 1 else -(-n // 4) * 4
     xq, xd, isum, nb = _quantized(p, X, m)
+    nbatch = batch_tokens(p.kind, n) if batch else 0
     if m == n and Y.flags.c_contiguous:     # the kernels write through flat offsets
-        _matmul(p.data, p.kind, nb, xq, xd, isum, Y)
+        _matmul(p.data, p.kind, nb, xq, xd, isum, Y, nbatch)
         return
     Yp = _ybuf.get(p.rows)
-    if Yp is None:
-        Yp = _ybuf[p.rows] = np.empty((ROWS, p.rows), np.float32)
-    _matmul(p.data, p.kind, nb, xq, xd, isum, Yp[:m])
+    if Yp is None or Yp.shape[0] < m:
+        Yp = _ybuf[p.rows] = np.empty((max(ROWS, m), p.rows), np.float32)
+    _matmul(p.data, p.kind, nb, xq, xd, isum, Yp[:m], nbatch)
     Y[:] = Yp[:n]
 
 

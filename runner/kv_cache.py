@@ -13,9 +13,12 @@ import numpy as np
 
 class LayerCache:
     def __init__(self, n_kv: int, cap: int, head_dim: int, window: int):
-        self.k = np.zeros((n_kv, cap, head_dim), np.float32)
-        self.v = np.zeros((n_kv, cap, head_dim), np.float32)
-        self.pos = np.full(cap, -1, np.int64)   # absolute position held by each slot, -1 empty
+        # arrays of a multiple of 64 slots (the extra ones stay empty): attention sums 64 at a
+        # time; k holds a row of slots per dim, so scores vectorize over slots
+        size = -(-cap // 64) * 64
+        self.k = np.zeros((n_kv, head_dim, size), np.float32)
+        self.v = np.zeros((n_kv, size, head_dim), np.float32)
+        self.pos = np.full(size, -1, np.int64)  # absolute position held by each slot, -1 empty
         self.window = window                    # 0: attend to everything cached
         self.cap = cap
         self.hi = 0                             # slots [0, hi) have been written

@@ -115,7 +115,7 @@ def speculative_generate(model, prompt_ids: list[int], sampler: Sampler, cache, 
             # history ends with the last token taken, which the cache does not hold yet
             k = min(proposer.k, cache.n_ctx - 1 - cache.n_past)
             guesses, qs = proposer.propose(history, k, sampler) if k > 0 else ([], None)
-            rows = model.backend.forward([history[-1], *guesses], cache, logits="all")
+            rows = model.backend.forward([history[-1], *guesses], cache, logits="all", one_by_one=True)
             out = verify(sampler, rows, history, guesses, qs)
             spec.forwards += 1
             spec.drafted += len(guesses)

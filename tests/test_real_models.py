@@ -55,9 +55,8 @@ def test_perplexity_within_1_percent_of_llama_cpp(real, ppl):
                               f"{ref['ppl']:.4f} +/- {ref['error']:.4f} ({rel:+.2%})")
 
 
-# Known gap (issue 3 stays open): measured 97.7% (0.5b), 97.2% (1.5b), 95.5% (gemma3) with
-# PPL within 1%. Layer 0 already differs by up to 4e-3 at some positions (attention).
-@pytest.mark.xfail(reason="top-1 agreement 95-98%, below the 99% bar; see issue 3", strict=False)
+# numbat follows llama.cpp's float steps (kernels' sum orders, f16 cache, ggml's exp, gelu
+# table), so its logits here are llama.cpp's bit for bit: measured 100% on all three models.
 def test_top1_agrees_with_llama_cpp(real, ppl):
     _, fx = real
     ref = np.asarray(fx["perplexity"]["top1"])
@@ -77,11 +76,8 @@ def greedy(m, prompt_ids: list[int], n: int) -> list[int]:
     return out
 
 
-def test_greedy_continuations_match_llama_cpp(real, request):
+def test_greedy_continuations_match_llama_cpp(real):
     m, fx = real
-    if fx["model"] == "gemma3:270m":   # the qwen models match since decode uses ggml's expf (issue 3)
-        request.applymarker(pytest.mark.xfail(reason="gemma3 diverges from llama.cpp after a top-2 gap of 0.55; "
-                                                     "see issue 3", strict=False))
     report = []
     for case in fx["greedy"]:
         assert m.tokenizer.encode(case["prompt"]) == case["prompt_ids"], case["prompt"]

@@ -33,7 +33,8 @@ def test_ring_keeps_the_first_tokens_and_overwrites_the_oldest():
         c.write_slots(1)
     lc = c.layers[0]
     assert c.dropped and c.n_past == 11
-    assert sorted(lc.pos.tolist()) == [0, 1, 5, 6, 7, 8, 9, 10]   # 2 kept + the 6 most recent
+    assert sorted(lc.pos[:lc.cap].tolist()) == [0, 1, 5, 6, 7, 8, 9, 10]   # 2 kept + the 6 most recent
+    assert lc.k.shape[2] == len(lc.pos) == 64 and (lc.pos[lc.cap:] == -1).all()   # arrays padded to 64 slots, never used
 
 
 def test_sliding_layers_hold_window_plus_chunk():
@@ -41,7 +42,7 @@ def test_sliding_layers_hold_window_plus_chunk():
     assert [lc.cap for lc in c.layers] == [12, 100]
     c.write_slots(30)
     assert not c.dropped            # a sliding layer wrapping is not a context overflow
-    assert sorted(c.layers[0].pos.tolist()) == list(range(18, 30))
+    assert sorted(c.layers[0].pos[:12].tolist()) == list(range(18, 30))
 
 
 def test_rollback_forgets_positions():
@@ -101,35 +102,96 @@ def test_sliding_layers_cache_only_window_plus_chunk(tiny_gemma):
         assert lc.cap == (L.window + m.backend.chunk if L.window else n_ctx)
 
 
-@pytest.mark.parametrize("batched", [False, True])
-@pytest.mark.parametrize("window", [0, 3])
-def test_attention_kernel_masks_by_position_and_window(window, batched):
-    """Against numpy: causal softmax attention with GQA over the slots' positions, the
-    weights rounded to f16 before they meet v, as the kernels (and llama.cpp) do. Decode's
-    per-query kernel and prefill's BLAS one alike."""
-    from runner.backends.kernels import attention, attention_batched
+def _attention_case(window, d=128, cap=128, filled=100):
+    """4 queries, 4 heads on 2 kv heads, over a wrapped ring of filled slots (the rest empty)."""
     rng = np.random.default_rng(0)
-    n_tok, n_head, n_kv, d, cap = 4, 4, 2, 8, 10
+    n_tok, n_head, n_kv = 4, 4, 2
     q = rng.standard_normal((n_tok, n_head, d)).astype(np.float16).astype(np.float32)
-    k = rng.standard_normal((n_kv, cap, d)).astype(np.float16).astype(np.float32)
+    k = rng.standard_normal((n_kv, d, cap)).astype(np.float16).astype(np.float32)
     v = rng.standard_normal((n_kv, cap, d)).astype(np.float16).astype(np.float32)
-    kpos = np.array([6, 7, 8, 9, 0, 1, 2, 3, 4, 5])          # a wrapped ring
-    qpos = np.array([6, 7, 8, 9])
-    out = np.zeros((n_tok, n_head, d), np.float32)
-    if batched:
-        S = np.zeros(2 * 2 * cap + 3, np.float32)     # room for two queries: two blocks
-        attention_batched(q, qpos, k, v, kpos, cap, window, np.float32(d ** -0.5), out, S)
-    else:
-        attention(q, qpos, k, v, kpos, cap, window, np.float32(d ** -0.5), out, np.zeros((8, cap), np.float32))
-    for t in range(n_tok):
-        ok = (kpos <= qpos[t]) & ((qpos[t] - kpos < window) if window else True)
-        for h in range(n_head):
+    kpos = np.full(cap, -1)
+    kpos[:filled] = (np.arange(filled) + 6) % filled          # slot 0 holds position 6, ...
+    qpos = np.arange(filled - 4, filled)
+    ok = (kpos[None] >= 0) & (kpos[None] <= qpos[:, None]) & ((qpos[:, None] - kpos[None] < window) if window else True)
+    return q, k, v, kpos, qpos, ok
+
+
+def _run_attention(q, k, v, kpos, qpos, window, batch):
+    from runner.backends.kernels import attention, attention_scratch
+    out = np.zeros(q.shape, np.float32)
+    scratch = np.zeros((8, attention_scratch(k.shape[2], q.shape[2], q.shape[1] // k.shape[0])), np.float32)
+    attention(q, qpos, k, v, kpos, int((kpos >= 0).sum()), window, np.float32(q.shape[2] ** -0.5), out, scratch, batch)
+    return out
+
+
+@pytest.mark.parametrize("batch", [False, True])
+@pytest.mark.parametrize("window", [0, 3])
+def test_attention_kernel_masks_by_position_and_window(window, batch):
+    """Against numpy: causal softmax attention with GQA over the slots' positions (a wrapped
+    ring, empty slots), the weights rounded to f16 before they meet v, as llama.cpp does."""
+    q, k, v, kpos, qpos, ok = _attention_case(window)
+    out = _run_attention(q, k, v, kpos, qpos, window, batch)
+    d = q.shape[2]
+    for t in range(len(qpos)):
+        for h in range(q.shape[1]):
             g = h // 2
-            s = (k[g] @ q[t, h]) * d ** -0.5
-            s = np.where(ok, s, -np.inf)
+            s = np.where(ok[t], (k[g].T @ q[t, h]) * d ** -0.5, -np.inf)
             w = np.exp(s - s.max())
             w = (w / w.sum()).astype(np.float16).astype(np.float64)
             np.testing.assert_allclose(out[t, h], w @ v[g], rtol=1e-5, atol=1e-5)
+
+
+def _fma(a, b, c):
+    """float32 fma (the float64 product is exact; its double rounding is negligibly rare)."""
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+def _mm512_reduce(x):
+    """_mm512_reduce_add_ps's tree over 16 float32 lanes."""
+    x = [np.float32(a) for a in x]
+    for half in (8, 4, 2, 1):
+        x = [np.float32(x[r] + x[r + half]) for r in range(half)]
+    return x[0]
+
+
+def _ggml_dot(a, b, batch):
+    """llama.cpp's f16 dot: tinyBLAS in a batch (16 lanes, one fma chain each), else
+    ggml_vec_dot_f16 (4 x 16 lanes over steps of 64, folded (0 + 2) + (1 + 3)); then the
+    reduction tree."""
+    lanes = 16 if batch else 64
+    acc = [np.float32(0)] * lanes
+    for i in range(len(a)):
+        acc[i % lanes] = _fma(a[i], b[i], acc[i % lanes])
+    if not batch:
+        acc = [np.float32(np.float32(acc[r] + acc[32 + r]) + np.float32(acc[16 + r] + acc[48 + r])) for r in range(16)]
+    return _mm512_reduce(acc)
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_attention_kernel_sums_in_llamas_order(batch):
+    """Bit for bit against a plain Python statement of llama.cpp's steps (non-flash path, f16
+    cache): kq = the f16 dot over dims, scaled, masked; softmax with ggml's exp, summed 16
+    slots at a time into float64; weights times 1/sum, rounded to f16; then the f16 dot of
+    each value dim over the slots, empty slots included as zeros. The real-model tests check
+    the whole forward against llama.cpp itself."""
+    from numba import njit
+    from runner.backends.kernels import expf, f16_round_pos
+    exp1 = njit(lambda x: expf(x))
+    q, k, v, kpos, qpos, ok = _attention_case(0)
+    out = _run_attention(q, k, v, kpos, qpos, 0, batch)
+    assert (out != _run_attention(q, k, v, kpos, qpos, 0, not batch)).any()    # the two orders differ here
+    d, n = q.shape[2], 128                      # llama.cpp's padded cells: the 100 slots rounded up to 64
+    scale = np.float32(d ** -0.5)
+    for t in range(len(qpos)):
+        for h in range(q.shape[1]):
+            g = h // 2
+            sc = [np.float32(_ggml_dot(k[g, :, s], q[t, h], batch) * scale) if ok[t, s] else np.float32(-np.inf) for s in range(n)]
+            mx = max(sc)
+            e = [np.float32(exp1(np.float32(x - mx))) for x in sc]
+            total = sum(np.float64(_mm512_reduce(e[c:c + 16])) for c in range(0, n, 16))
+            w = [np.float32(f16_round_pos(np.float32(x * np.float32(1.0 / total)))) for x in e]
+            want = [_ggml_dot(v[g, :, j], w, batch) for j in range(d)]
+            np.testing.assert_array_equal(out[t, h], np.array(want, np.float32))
 
 
 def test_exp_and_f16_rounding_kernels():
@@ -153,8 +215,8 @@ def test_exp_and_f16_rounding_kernels():
 
 
 def test_rope_store_is_rope_then_f16_rounding_into_the_slots():
-    """The fused kernel equals its numpy steps bit for bit: RoPE, q rounded to f16, k and v
-    rounded to f16 at their slots, other slots untouched; f16 rounding at the edges of the
+    """The fused kernel equals its numpy steps bit for bit: RoPE, q scaled and rounded to f16,
+    k and v rounded to f16 at their slots (k stored dim-major), other slots untouched; f16 rounding at the edges of the
     range (signs, -0, subnormals, 65504, overflow to inf) as numpy's."""
     from runner.backends.kernels import rope, rope_store
     rng = np.random.default_rng(1)
@@ -166,17 +228,17 @@ def test_rope_store_is_rope_then_f16_rounding_into_the_slots():
     v.reshape(-1)[:len(edges)] = edges
     pos, slots = np.arange(20, 20 + n), np.array([7, 8, 9, 10, 11])
     args = (np.float32(10000 ** -0.25), np.float32(1), np.ones(d // 2, np.float32), True)
-    kc, vc = np.full((n_kv, cap, d), 3.0, np.float32), np.full((n_kv, cap, d), 3.0, np.float32)
+    kc, vc = np.full((n_kv, d, cap), 3.0, np.float32), np.full((n_kv, cap, d), 3.0, np.float32)
     q2, k2 = q.copy(), k.copy()
-    rope_store(q, k, v, pos, *args, slots, kc, vc)
+    rope_store(q, k, v, pos, *args, slots, kc, vc, np.float32(0.0625))
     rope(q2, pos, *args)
     rope(k2, pos, *args)
     with np.errstate(over="ignore"):    # the overflow to inf is what is tested
-        q2, k2, v2 = (a.astype(np.float16).astype(np.float32) for a in (q2, k2, v))
-    np.testing.assert_array_equal(q.view(np.int32), q2.view(np.int32))
-    np.testing.assert_array_equal(kc[:, slots].view(np.int32), k2.transpose(1, 0, 2).view(np.int32))
+        q2, k2, v2 = (a.astype(np.float16).astype(np.float32) for a in (q2 * np.float32(0.0625), k2, v))
+    np.testing.assert_array_equal(q.view(np.int32), q2.view(np.int32))     # q scaled, then rounded
+    np.testing.assert_array_equal(kc[:, :, slots].view(np.int32), k2.transpose(1, 2, 0).view(np.int32))
     np.testing.assert_array_equal(vc[:, slots].view(np.int32), v2.transpose(1, 0, 2).view(np.int32))
-    assert (kc[:, :7] == 3).all() and (vc[:, :7] == 3).all()
+    assert (kc[:, :, :7] == 3).all() and (vc[:, :7] == 3).all()
     assert np.isinf(vc[0, 7, 7]) and np.isinf(vc[1, 7, 0]) and vc[0, 7, 5] == 65504   # 65520 and 1e30 overflow
 
 

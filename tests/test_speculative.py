@@ -77,7 +77,7 @@ class Bigram:
     def make_cache(self, n_ctx, n_keep=0):
         return KVCache(1, 1, 1, n_ctx, [0], 16, n_keep)
 
-    def forward(self, tokens, cache, logits="last"):
+    def forward(self, tokens, cache, logits="last", one_by_one=False):
         cache.write_slots(len(tokens))
         out = self.table[np.asarray(tokens)]
         return out if logits == "all" else out[-1:]
@@ -212,7 +212,7 @@ def _same_cache(a: KVCache, b: KVCache):
     for la, lb in zip(a.layers, b.layers):
         np.testing.assert_array_equal(la.pos, lb.pos)
         live = la.pos >= 0
-        np.testing.assert_array_equal(la.k[:, live], lb.k[:, live])
+        np.testing.assert_array_equal(la.k[:, :, live], lb.k[:, :, live])   # k: (kv heads, dims, slots)
         np.testing.assert_array_equal(la.v[:, live], lb.v[:, live])
 
 

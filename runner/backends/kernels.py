@@ -7,7 +7,7 @@ import math
 import numpy as np
 from numba import get_thread_id, njit, prange
 
-from quant.intrin import bits_f32, f32_bits, fma32
+from quant.intrin import add16, bits_f32, f32_bits, fma16, fma32, mul16
 
 f32 = np.float32
 _C = [f32(float.fromhex(h)) for h in ("0x1.8p23", "0x1.715476p+0", "0x1.7f7d1cp-20", "0x1.62e4p-1", "0x1.0e4020p-7",
@@ -54,33 +54,36 @@ def f16_round(x):
 
 
 @njit(cache=True)
-def rope_store(q, k, v, positions, theta_scale, freq_scale, freq_factors, neox, slots, kc, vc):
+def rope_store(q, k, v, positions, theta_scale, freq_scale, freq_factors, neox, slots, kc, vc, q_scale):
     """One layer's new tokens into its cache: RoPE on q (n, n_head, d) and k (n, n_kv, d),
-    q rounded to f16 in place, and k and v (n, n_kv, d) stored f16-rounded at their slots of
-    kc, vc (n_kv, cap, d), as llama.cpp's f16 cache holds them. One serial call: decode's
-    few tokens do not pay for starting threads, nor for five numpy steps."""
+    q times q_scale and rounded to f16 in place, and k and v (n, n_kv, d) stored f16-rounded
+    at their slots of kc (n_kv, d, cap) and vc (n_kv, cap, d), as llama.cpp's f16 cache holds
+    them. One serial
+    call: decode's few tokens do not pay for starting threads, nor for five numpy steps."""
     rope(q, positions, theta_scale, freq_scale, freq_factors, neox)
     rope(k, positions, theta_scale, freq_scale, freq_factors, neox)
     for t in range(q.shape[0]):
         for h in range(q.shape[1]):
             for j in range(q.shape[2]):
-                q[t, h, j] = f16_round(q[t, h, j])
+                q[t, h, j] = f16_round(q[t, h, j] * q_scale)
         s = slots[t]
         for h in range(k.shape[1]):
             for j in range(k.shape[2]):
-                kc[h, s, j] = f16_round(k[t, h, j])
+                kc[h, j, s] = f16_round(k[t, h, j])
                 vc[h, s, j] = f16_round(v[t, h, j])
 
 
 @njit(parallel=True, fastmath=False, cache=True)
 def rms_norm(x, w, eps, out):
-    """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, rows of x (..., n) flattened to 2-D.
-    The sum is taken in float64, as ggml does."""
+    """out[i] = x[i] * (1 / sqrt(mean(x[i]^2) + eps)) * w, rows of x (..., n) flattened to
+    2-D, in ggml's steps: squares in float32 summed in float64, the mean, eps, sqrt and
+    reciprocal in float32."""
+    e = np.float32(eps)
     for i in prange(x.shape[0]):
         s = 0.0
         for j in range(x.shape[1]):
-            s += np.float64(x[i, j]) * x[i, j]
-        scale = np.float32(1.0 / math.sqrt(s / x.shape[1] + eps))
+            s += np.float64(x[i, j] * x[i, j])
+        scale = np.float32(1) / np.sqrt(np.float32(s / x.shape[1]) + e)
         for j in range(x.shape[1]):
             out[i, j] = x[i, j] * scale * w[j]
 
@@ -99,100 +102,131 @@ def rope(x, positions, theta_scale, freq_scale, freq_factors, neox):
             c, s = np.float32(math.cos(ang)), np.float32(math.sin(ang))
             theta = theta * theta_scale
             a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
-            for h in range(x.shape[1]):
+            for h in range(x.shape[1]):    # the fused multiply-adds GCC makes of ggml's rotation
                 x0, x1 = x[t, h, a], x[t, h, b]
-                x[t, h, a] = x0 * c - x1 * s
-                x[t, h, b] = x0 * s + x1 * c
+                x[t, h, a] = fma32(x0, c, -(x1 * s))
+                x[t, h, b] = fma32(x0, s, x1 * c)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch):
-    """out[t, h] = softmax(scale * q[t, h] . k[g]) @ v[g] over the cached slots that hold a
-    position p <= qpos[t] (and qpos[t] - p < window for sliding layers), g = h's kv head.
-    q, out: (n_tok, n_head, d); k, v: (n_kv, cap, d); scratch: (threads, cap) float32.
-    As llama.cpp's default (f16 cache, no flash attention): q, k and v hold f16 values (the
-    caller rounds them) and the softmax weights are rounded to f16 before they meet v. With
-    qwen's large key biases a score moves by whole units without this."""
-    n_tok, n_head, d = q.shape
-    group = n_head // k.shape[0]
-    for th in prange(n_tok * n_head):
-        t, h = th // n_head, th % n_head
-        g = h // group
-        sc = scratch[get_thread_id()]
-        p1 = qpos[t]
-        mx = -np.inf
-        for s in range(n_slots):
-            p0 = kpos[s]
-            if p0 < 0 or p0 > p1 or (window > 0 and p1 - p0 >= window):
-                sc[s] = -np.inf
-                continue
-            acc = np.float32(0)
-            for j in range(d):
-                acc += q[t, h, j] * k[g, s, j]
-            acc *= scale
-            sc[s] = acc
-            mx = max(mx, acc)
-        total = 0.0
-        for s in range(n_slots):
-            e = expf(sc[s] - mx) if sc[s] != -np.inf else np.float32(0)
-            sc[s] = e
-            total += e
-        inv = np.float32(1.0 / total)
-        for j in range(d):
-            out[t, h, j] = 0
-        for s in range(n_slots):
-            if sc[s] > 0:
-                wgt = f16_round_pos(sc[s] * inv)
-                for j in range(d):
-                    out[t, h, j] += wgt * v[g, s, j]
+@njit(inline="always")
+def _tree(x, o, width):
+    """Rows 0-15 of x[o:] (flat, rows of width floats, width a multiple of 16) summed into row
+    0 in _mm512_reduce_add_ps's tree (lanes r and r + 8, then r and r + 4, then 0 + 2 and
+    1 + 3, then the two), width sums at once."""
+    for half in (8, 4, 2, 1):
+        for r in range(half):
+            for c in range(0, width, 16):
+                add16(x, o + r * width + c, x, o + r * width + c, x, o + (r + half) * width + c)
+
+
+@njit(inline="always")
+def _fold(x, o, width):
+    """ggml_vec_dot_f16's four accumulators of 16 lanes (rows 16i..16i+15 of x[o:]) to one,
+    (0 + 2) + (1 + 3), into rows 0-15."""
+    for r in range(16):
+        for c in range(0, width, 16):
+            add16(x, o + r * width + c, x, o + r * width + c, x, o + (32 + r) * width + c)
+            add16(x, o + (16 + r) * width + c, x, o + (16 + r) * width + c, x, o + (48 + r) * width + c)
+            add16(x, o + r * width + c, x, o + r * width + c, x, o + (16 + r) * width + c)
+
+
+def attention_scratch(cap: int, head_dim: int, group: int) -> int:
+    """Floats of scratch per thread that attention() needs for a cache of cap slots and group
+    query heads per kv head."""
+    return group * (cap + 64 * 16 + 64 * head_dim)
+
+
+@njit(inline="always")
+def _visible(p0, p1, window):
+    return (p0 >= 0) & (p0 <= p1) & ((window == 0) | (p1 - p0 < window))
 
 
 @njit(parallel=True, cache=True)
-def softmax_rows(S, group, qpos, kpos, window, scale):
-    """Rows of raw scores S (n_tok * group, n_slots), row r for query r // group, -> the f16
-    weights of attention(): scaled, masked by position and window, softmax, rounded.
-    The loops are branch-free so that they vectorize."""
-    win = window if window > 0 else np.iinfo(np.int64).max
-    for r in prange(S.shape[0]):
-        p1 = qpos[r // group]
-        row = S[r]
-        mx = f32(-np.inf)
-        for s in range(row.shape[0]):
-            p0 = kpos[s]
-            v = row[s] * scale if (p0 >= 0) & (p0 <= p1) & (p1 - p0 < win) else f32(-np.inf)
-            row[s] = v
-            mx = max(mx, v)
-        total = 0.0
-        for s in range(row.shape[0]):
-            e = expf(row[s] - mx)      # exp(-inf) = 0
-            row[s] = e
-            total += e
-        inv = f32(1.0 / total)
-        for s in range(row.shape[0]):
-            row[s] = f16_round_pos(row[s] * inv)
+def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch):
+    """out[t, h] = softmax(scale * q[t, h] . k[g]) @ v[g] over the cached slots that hold a
+    position p <= qpos[t] (and qpos[t] - p < window for sliding layers), g = h's kv head.
+    q, out: (n_tok, n_head, d); k: (n_kv, d, cap); v: (n_kv, cap, d), cap a multiple of 64;
+    scratch: (threads, attention_scratch).
 
+    In llama.cpp's float steps (f16 cache, no flash attention), so that the bits agree: q, k
+    and v hold f16 values (the caller rounds them). q . k and weights . v are sums of fma
+    chains, one per lane, reduced in _mm512_reduce_add_ps's tree: 16 lanes as tinyBLAS runs a
+    batch (batch), 64 folded to 16 as ggml_vec_dot_f16 runs one token (not batch: decode, and
+    speculative verification, which must match decode). Softmax with ggml's exp, summed 16 at
+    a time into float64; the weights rounded to f16 before they meet v. Lanes go by slot (the
+    cell index in llama.cpp); slots a query cannot see add nothing (a zero weight leaves a
+    lane as it was). head_dim a multiple of 64 (16 in a batch): llama.cpp's kernels on other
+    sizes are not followed exactly (their tails add in float64).
 
-def attention_batched(q, qpos, k, v, kpos, n_slots, window, scale, out, S):
-    """attention() for a prefill chunk: per kv head and block of queries, the scores of all
-    its query heads in one BLAS product, softmax_rows, then one product with V. S: flat
-    float32 scratch of at least group * n_slots (queries per block: as many as fit). Sums
-    run in BLAS's order, not attention()'s."""
+    A work item is one query and kv head: each row of k and v, read once, serves all the
+    query heads of the group (the cache is read from L2 once per group, not per head)."""
     n_tok, n_head, d = q.shape
-    group = n_head // k.shape[0]
-    step = max(1, S.shape[0] // (group * n_slots))
-    for t0 in range(0, n_tok, step):
-        t1 = min(n_tok, t0 + step)
-        m = (t1 - t0) * group
-        # slots past the last one these queries may see are all masked: leave them out (in
-        # a prefill from empty, half of all scores)
-        seen = np.flatnonzero((kpos[:n_slots] >= 0) & (kpos[:n_slots] <= qpos[t1 - 1]))
-        n = int(seen[-1]) + 1 if len(seen) else 1
-        sc = S[:m * n].reshape(m, n)
-        for g in range(k.shape[0]):
-            heads = slice(g * group, (g + 1) * group)
-            np.matmul(q[t0:t1, heads].reshape(m, d), k[g, :n].T, out=sc)
-            softmax_rows(sc, group, qpos[t0:t1], kpos[:n], window, scale)
-            out[t0:t1, heads] = (sc @ v[g, :n]).reshape(t1 - t0, group, d)
+    n_kv, cap = k.shape[0], k.shape[2]
+    group = n_head // n_kv
+    lanes = 16 if batch else 64
+    kf, vf = k.ravel(), v.ravel()
+    Ps, Vs = lanes * 16, lanes * d                 # per head: score lanes, value lanes
+    top = np.zeros(n_tok, np.int64)                # per query: its sums stop after the last slot it sees
+    for t in prange(n_tok):
+        for s in range(n_slots):
+            if _visible(kpos[s], qpos[t], window):
+                top[t] = s + 1
+    for i in prange(n_tok * n_kv):
+        u, g = i // n_kv, i % n_kv
+        t = u // 2 if u % 2 == 0 else n_tok - 1 - u // 2     # early and late queries alternate: even work
+        n = -(-top[t] // 16) * 16
+        buf = scratch[get_thread_id()]
+        sc, P, pv = buf[:group * cap], buf[group * cap:group * (cap + Ps)], buf[group * (cap + Ps):group * (cap + Ps + Vs)]
+        p1 = qpos[t]
+        mx = np.full(group, -np.inf, np.float32)
+        if d < lanes:               # lanes no dim reaches stay zero
+            P[:] = 0
+        for b0 in range(0, n, 16):          # scores of 16 slots at once, lane j % lanes
+            for j in range(d):
+                ko = (g * d + j) * cap + b0
+                for e in range(group):
+                    if j < lanes:           # a lane's first product: fma onto zero
+                        mul16(P, e * Ps + j * 16, kf, ko, q[t, g * group + e, j])
+                    else:
+                        fma16(P, e * Ps + (j % lanes) * 16, kf, ko, q[t, g * group + e, j])
+            for e in range(group):
+                if not batch:
+                    _fold(P, e * Ps, 16)
+                _tree(P, e * Ps, 16)
+                for c in range(16):
+                    if _visible(kpos[b0 + c], p1, window):
+                        w = P[e * Ps + c] * scale
+                        sc[e * cap + b0 + c] = w
+                        mx[e] = max(mx[e], w)
+                    else:
+                        sc[e * cap + b0 + c] = -np.inf
+        for e in range(group):
+            total = 0.0
+            for b0 in range(0, n, 16):
+                x = sc[e * cap + b0:e * cap + b0 + 16]      # a slice: plain indices, so the loop vectorizes
+                for c in range(16):
+                    x[c] = expf(x[c] - mx[e])               # exp(-inf) = 0
+                total += np.float64(((x[8] + x[0]) + (x[12] + x[4])) + ((x[10] + x[2]) + (x[14] + x[6]))
+                                    + (((x[9] + x[1]) + (x[13] + x[5])) + ((x[11] + x[3]) + (x[15] + x[7]))))
+            inv = f32(1.0 / total)
+            for b0 in range(0, n, 16):
+                x = sc[e * cap + b0:e * cap + b0 + 16]
+                for c in range(16):
+                    x[c] = f16_round_pos(x[c] * inv)
+        pv[:] = 0
+        for s in range(n):
+            vo = (g * cap + s) * d
+            for e in range(group):
+                wgt = sc[e * cap + s]
+                if wgt != 0:
+                    for c in range(0, d, 16):
+                        fma16(pv, e * Vs + (s % lanes) * d + c, vf, vo + c, wgt)
+        for e in range(group):
+            if not batch:
+                _fold(pv, e * Vs, d)
+            _tree(pv, e * Vs, d)
+            for j in range(d):
+                out[t, g * group + e, j] = pv[e * Vs + j]
 
 
 @njit(inline="always")
@@ -216,13 +250,22 @@ def silu_mul_halves(gu, out):
         _silu_mul_row(gu[i, :n], gu[i, n:], out[i])
 
 
+@njit(cache=True)
+def _gelu_f32(x, out):
+    """ggml_gelu_f32 in float32 as GCC compiles it: tanhf, and 1 + (A x) x as one fma."""
+    for i in range(x.shape[0]):
+        v = x[i]
+        inner = f32(0.7978845608028654) * v * fma32(f32(0.044715) * v, v, f32(1))
+        out[i] = f32(0.5) * v * (f32(1) + math.tanh(inner))
+
+
 def _gelu_table() -> np.ndarray:
-    """GELU (tanh form, float32) of every f16 value, rounded to f16: ggml's GGML_GELU_FP16 table."""
+    """GELU (tanh form) of every f16 value, rounded to f16: ggml's GGML_GELU_FP16 table."""
     x = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    g = np.zeros_like(x)
     with np.errstate(over="ignore", invalid="ignore"):
-        g = np.float32(0.5) * x * (np.float32(1) + np.tanh(np.float32(0.7978845608028654) * x
-                                                            * (np.float32(1) + np.float32(0.044715) * x * x)))
-    return g.astype(np.float16).astype(np.float32)
+        _gelu_f32(x, g)
+        return g.astype(np.float16).astype(np.float32)
 
 
 GELU_F16 = _gelu_table()

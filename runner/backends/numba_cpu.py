@@ -19,7 +19,6 @@ from runner.kv_cache import KVCache
 # token's result is bit-identical to decoding it alone (speculative verification needs that
 # for exact greedy), and faster than dequantizing every weight tile for a few tokens.
 SMALL_BATCH = quant.kquants.ROWS
-SCORE_TOKENS = 64       # prefill attention scores are computed for this many queries at a time
 
 
 @dataclass
@@ -30,11 +29,13 @@ class Linear:
     n_out: int
     bias: np.ndarray | None = None
 
-    def __call__(self, X: np.ndarray, Y: np.ndarray, rounded: dict | None = None) -> None:
-        if X.shape[0] <= SMALL_BATCH:
-            if isinstance(self.raw, quant.packed.Packed):   # each group of 16 rows read once for all
-                quant.packed.matmul_rows(self.raw, X, Y)
-            elif X.shape[0] > 1 and (rows := quant.qtype(self.type_id).matvec_rows) is not None:
+    def __call__(self, X: np.ndarray, Y: np.ndarray, rounded: dict | None = None, batch: bool = True) -> None:
+        """Y = X W^T (+ bias). Repacked weights take llama.cpp's float steps for a batch of
+        len(X) tokens (batch) or, row by row, those of a single token."""
+        if isinstance(self.raw, quant.packed.Packed):
+            quant.packed.matmul_rows(self.raw, X, Y, batch)
+        elif X.shape[0] <= SMALL_BATCH:
+            if X.shape[0] > 1 and (rows := quant.qtype(self.type_id).matvec_rows) is not None:
                 rows(self.raw, X, Y)
             else:
                 for i in range(X.shape[0]):
@@ -155,35 +156,41 @@ class NumbaCPU:
         self.qkv, self.gu = z(SMALL_BATCH, qd + 2 * kd), z(SMALL_BATCH, 2 * c.n_ff)   # fused outputs
         self.logits1 = z(1, c.n_vocab)
         self.logits_all = None          # (chunk, vocab): allocated on first logits="all"
-        self.scratch = None             # attention scores, sized by the cache
-        self.scores = None              # prefill's scores for SCORE_TOKENS queries, sized by the cache
+        self.scratch = None             # attention's per-thread scores and lanes, sized by the cache
 
     def make_cache(self, n_ctx: int, n_keep: int = 0) -> KVCache:
         c = self.cfg
         cache = KVCache(c.n_layer, c.n_head_kv, c.head_dim, n_ctx, [l.window for l in self.layers], self.chunk, n_keep)
-        cap = max(lc.cap for lc in cache.layers)
-        if self.scratch is None or self.scratch.shape[1] < cap:
-            self.scratch = np.zeros((numba.config.NUMBA_NUM_THREADS, cap), np.float32)
-            self.scores = np.zeros(SCORE_TOKENS * (c.n_head // c.n_head_kv) * cap, np.float32)
+        cap = max(lc.k.shape[2] for lc in cache.layers)   # slots of the arrays
+        size = K.attention_scratch(cap, c.head_dim, c.n_head // c.n_head_kv)
+        if self.scratch is None or self.scratch.shape[1] < size:
+            self.scratch = np.zeros((numba.config.NUMBA_NUM_THREADS, size), np.float32)
         return cache
 
-    def forward(self, tokens, cache: KVCache, logits: str = "last") -> np.ndarray:
+    def forward(self, tokens, cache: KVCache, logits: str = "last", one_by_one: bool = False) -> np.ndarray:
         """Run tokens at positions cache.n_past... and return float32 logits: (1, vocab) for the
-        last token, or (n, vocab) for all. Longer inputs go in chunks. The "last" logits live
-        in a buffer that the next call overwrites: copy them to keep them. "hidden" returns the
-        last token's final normed state (1, n_embd) instead, for a head of the caller's."""
+        last token, or (n, vocab) for all. Longer inputs go in chunks of llama.cpp's batch
+        size, each computed with llama.cpp's float steps for a batch that size, or with
+        one_by_one the steps of one token at a time for every token (speculative verification:
+        the bits plain decoding gets). The "last" logits live in a buffer that the next call
+        overwrites: copy them to keep them. "hidden" returns the last token's final normed
+        state (1, n_embd) instead, for a head of the caller's."""
         tokens = np.asarray(tokens, np.int64)
         outs = []
         for s in range(0, len(tokens), self.chunk):
             last = s + self.chunk >= len(tokens)
-            out = self._forward_chunk(tokens[s:s + self.chunk], cache, logits if logits == "all" or last else None)
+            out = self._forward_chunk(tokens[s:s + self.chunk], cache, logits if logits == "all" or last else None,
+                                      one_by_one)
             if logits == "all":
                 outs.append(out.copy())
         return np.concatenate(outs) if logits == "all" else out
 
-    def _forward_chunk(self, tokens, cache: KVCache, mode: str | None) -> np.ndarray | None:
+    def _forward_chunk(self, tokens, cache: KVCache, mode: str | None, one_by_one: bool) -> np.ndarray | None:
         c, n = self.cfg, len(tokens)
+        batch = n > 1 and not one_by_one
         hd = c.head_dim
+        # 1/sqrt(head_dim) on the scores, or on q before its f16 rounding (gemma3), as llama.cpp
+        q_scale, kq_scale = (np.float32(hd ** -0.5), np.float32(1)) if c.scale_q else (np.float32(1), np.float32(hd ** -0.5))
         positions = np.arange(cache.n_past, cache.n_past + n)
         slots = cache.write_slots(n)
         x, h, o = self.x[:n], self.h[:n], self.o[:n]
@@ -197,26 +204,28 @@ class NumbaCPU:
             hr = {}     # h rounded for the weights' kernels, once per kind
             if L.qkv is not None and n <= SMALL_BATCH:
                 qkv = self.qkv[:n]      # one kernel call for the three
-                L.qkv(h, qkv)
+                L.qkv(h, qkv, batch=batch)
                 q[:], k[:], v[:] = qkv[:, :q.shape[1]], qkv[:, q.shape[1]:-v.shape[1]], qkv[:, -v.shape[1]:]
             else:
-                L.wq(h, q, hr)
-                L.wk(h, k, hr)
-                L.wv(h, v, hr)
+                L.wq(h, q, hr, batch)
+                L.wk(h, k, hr, batch)
+                L.wv(h, v, hr, batch)
             q3, k3 = q.reshape(n, c.n_head, hd), k.reshape(n, c.n_head_kv, hd)
             if L.q_norm is not None:
                 K.rms_norm(q3.reshape(-1, hd), L.q_norm, c.norm_eps, q3.reshape(-1, hd))
                 K.rms_norm(k3.reshape(-1, hd), L.k_norm, c.norm_eps, k3.reshape(-1, hd))
             # the cache holds f16 values, as llama.cpp's default f16 cache does (see K.attention)
             K.rope_store(q3, k3, v.reshape(n, c.n_head_kv, hd), positions, L.theta_scale, self.freq_scale,
-                         self.freq_factors, c.rope_neox, sl, lc.k, lc.v)
-            if n <= SMALL_BATCH:   # decode and verification: the same per-query kernel
-                K.attention(q3, positions, lc.k, lc.v, lc.pos, lc.hi, L.window, np.float32(hd ** -0.5),
-                            attn.reshape(n, c.n_head, hd), self.scratch)
-            else:
-                K.attention_batched(q3, positions, lc.k, lc.v, lc.pos, lc.hi, L.window, np.float32(hd ** -0.5),
-                                    attn.reshape(n, c.n_head, hd), self.scores)
-            L.wo(attn, o)
+                         self.freq_factors, c.rope_neox, sl, lc.k, lc.v, q_scale)
+            K.attention(q3, positions, lc.k, lc.v, lc.pos, lc.hi, L.window, kq_scale,
+                        attn.reshape(n, c.n_head, hd), self.scratch, batch)
+            L.wo(attn, o, batch=batch)
+            if L is self.layers[-1] and mode != "all":
+                # as llama.cpp, the last layer's FFN runs only for the rows that give output
+                if mode is None:
+                    break
+                x, h, o, g, u = x[-1:], h[-1:], o[-1:], g[-1:], u[-1:]
+                n, batch = 1, False
             if L.post_attn_norm is not None:
                 K.rms_norm(o, L.post_attn_norm, c.norm_eps, o)
             x += o
@@ -224,18 +233,18 @@ class NumbaCPU:
             gelu = c.act == "gelu_tanh"
             if L.gate_up is not None and n <= SMALL_BATCH:
                 gu = self.gu[:n]        # one kernel call for both: [gate | up] per row
-                L.gate_up(h, gu)
+                L.gate_up(h, gu, batch=batch)
                 if gelu:
                     K.gelu_tanh_mul(gu[:, :g.shape[1]], gu[:, g.shape[1]:], u)
                 else:
                     K.silu_mul_halves(gu, u)
-                L.down(u, o)
+                L.down(u, o, batch=batch)
             else:
                 hr = {}
-                L.gate(h, g, hr)
-                L.up(h, u, hr)
+                L.gate(h, g, hr, batch)
+                L.up(h, u, hr, batch)
                 (K.gelu_tanh_mul if gelu else K.silu_mul)(g, u, g)
-                L.down(g, o)
+                L.down(g, o, batch=batch)
             if L.post_ffn_norm is not None:
                 K.rms_norm(o, L.post_ffn_norm, c.norm_eps, o)
             x += o
@@ -251,5 +260,5 @@ class NumbaCPU:
                 self.logits_all = np.zeros((self.chunk, c.n_vocab), np.float32)
             rows, out = x, self.logits_all[:n]
         K.rms_norm(rows, self.output_norm, c.norm_eps, h[:len(rows)])
-        self.output(h[:len(rows)], out)
+        self.output(h[:len(rows)], out, batch=batch)
         return out
