@@ -108,3 +108,83 @@ def add16(typingctx, out, oi, a, ai, b, bi):
         builder.store(builder.fadd(va, vb), _vec_ptr(context, builder, sig.args[0], ao, aoi), align=4)
         return context.get_dummy_value()
     return types.none(out, oi, a, ai, b, bi), codegen
+
+
+def scores16(d: int, lanes: int):
+    """An intrinsic scores(kf, ko, cap, qf, qo, out, oo): the dot products of one query
+    qf[qo:qo+d] with 16 keys, key i's dim j at kf[ko + j*cap + i], summed as llama.cpp's f16
+    dots sum (see runner.backends.kernels.attention): lanes = 16, one fma chain per lane j % 16
+    (tinyBLAS); lanes = 64, chains j % 64 folded (0 + 2) + (1 + 3) (ggml_vec_dot_f16); then
+    _mm512_reduce_add_ps's tree. 16 keys at once: each value below is a vector over the keys,
+    and every chain stays in registers. Written to out[oo:oo+16]."""
+    @intrinsic
+    def scores(typingctx, kf, ko, cap, qf, qo, out, oo):
+        def codegen(context, builder, sig, args):
+            akf, ako, acap, aqf, aqo, aout, aoo = args
+            v16, i32 = ir.VectorType(ir.FloatType(), 16), ir.IntType(32)
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
+            qdata = context.make_array(sig.args[3])(context, builder, aqf).data
+
+            def key(j):
+                return builder.load(_vec_ptr(context, builder, sig.args[0], akf,
+                                             builder.add(ako, builder.mul(acap, ir.Constant(acap.type, j)))), align=4)
+
+            def qsplat(j):
+                x = builder.load(builder.gep(qdata, [builder.add(aqo, ir.Constant(aqo.type, j))]))
+                return builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), x, ir.Constant(i32, 0)),
+                                              ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+
+            def chain(r):       # lane r: dims r, r + lanes, ...
+                if r >= d:
+                    return ir.Constant(v16, None)
+                acc = builder.fmul(key(r), qsplat(r))
+                for j in range(r + lanes, d, lanes):
+                    acc = builder.call(fma, [key(j), qsplat(j), acc])
+                return acc
+
+            if lanes == 16:
+                x = [chain(r) for r in range(16)]
+            else:
+                x = [builder.fadd(builder.fadd(chain(r), chain(32 + r)), builder.fadd(chain(16 + r), chain(48 + r))) for r in range(16)]
+            for half in (8, 4, 2, 1):
+                x = [builder.fadd(x[r], x[r + half]) for r in range(half)]
+            builder.store(x[0], _vec_ptr(context, builder, sig.args[5], aout, aoo), align=4)
+            return context.get_dummy_value()
+        return types.none(kf, ko, cap, qf, qo, out, oo), codegen
+    return scores
+
+
+@intrinsic
+def pv16(typingctx, v, vo, vrow, n, w, wo, lanes, out, oo, ostride):
+    """Weights w[wo + s] times 16 columns v[vo + s*vrow : +16] for the slots s < n (n a
+    multiple of 16), summed in lanes (16 or 64) fma chains, lane s % lanes, slots in order:
+    16 lanes at a time kept in registers, reading the rows in order. Lane l's sums go to
+    out[oo + l*ostride : +16]."""
+    def codegen(context, builder, sig, args):
+        av, avo, avr, an, aw, awo, alanes, aout, aoo, aos = args
+        v16, i32 = ir.VectorType(ir.FloatType(), 16), ir.IntType(32)
+        i64 = avo.type
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
+        wdata = context.make_array(sig.args[4])(context, builder, aw).data
+        accs = [cgutils.alloca_once(builder, v16) for _ in range(16)]
+        n_groups = builder.sdiv(alanes, ir.Constant(i64, 16))
+        with cgutils.for_range(builder, n_groups) as gl:
+            g0 = builder.mul(gl.index, ir.Constant(i64, 16))
+            for a in accs:
+                builder.store(ir.Constant(v16, None), a)
+            # s0 = g0, g0 + lanes, ... < n
+            steps = builder.sdiv(builder.add(builder.sub(an, g0), builder.sub(alanes, ir.Constant(i64, 1))), alanes)
+            with cgutils.for_range(builder, steps) as sl:
+                s0 = builder.add(g0, builder.mul(sl.index, alanes))
+                for r in range(16):
+                    s = builder.add(s0, ir.Constant(i64, r))
+                    x = builder.load(_vec_ptr(context, builder, sig.args[0], av, builder.add(avo, builder.mul(s, avr))), align=4)
+                    wt = builder.load(builder.gep(wdata, [builder.add(awo, s)]))
+                    splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), wt, ir.Constant(i32, 0)),
+                                                   ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+                    builder.store(builder.call(fma, [x, splat, builder.load(accs[r])]), accs[r])
+            for r in range(16):
+                dst = builder.add(aoo, builder.mul(builder.add(g0, ir.Constant(i64, r)), aos))
+                builder.store(builder.load(accs[r]), _vec_ptr(context, builder, sig.args[7], aout, dst), align=4)
+        return context.get_dummy_value()
+    return types.none(v, vo, vrow, n, w, wo, lanes, out, oo, ostride), codegen

@@ -212,7 +212,7 @@ def _rows16(kind, n_tok, batch=False):
     same operations for any n_tok (verification gets decode's bits); the weights are loaded
     and unpacked once for all n_tok."""
     _, gb, off, _ = LAYOUT[kind]
-    pf = PREFETCH[n_tok]
+    pf = None if batch else PREFETCH[n_tok]     # a batch re-reads a group from cache: no prefetch
 
     @intrinsic
     def rows16(typingctx, pk, g, nb, xq, xd, isum, y, t0):
@@ -249,15 +249,54 @@ def _rows16(kind, n_tok, batch=False):
             def halves16(o):
                 return builder.fpext(load(o, ir.VectorType(ir.HalfType(), 16)), V16F)
 
+            def legacy_runs(o, ch):
+                """Chunk ch of a Q4_0/Q5_0/Q8_0 block at o as (lane, unsigned values, first value):
+                Q8_0's chunk is lane ch; the others' low nibbles lane ch, high nibbles ch + 4."""
+                if kind == Q8_0:
+                    return [(ch, load(builder.add(o, c(64 * ch)), V64B), 4 * ch)]
+                q = load(builder.add(o, c(64 * ch)), V64B)
+                lo, hi = builder.and_(q, low4), builder.lshr(q, ir.Constant(V64B, [4] * 64))
+                if kind == Q5_0:
+                    sixteen, none = ir.Constant(V64B, [16] * 64), ir.Constant(V64B, [0] * 64)
+                    for half in range(2):
+                        mk = load(builder.add(o, c(256 + 16 * ch + 8 * half)), ir.IntType(64))
+                        bits = builder.select(builder.bitcast(mk, ir.VectorType(I1, 64)), sixteen, none)
+                        if half == 0:
+                            lo = builder.or_(lo, bits)
+                        else:
+                            hi = builder.or_(hi, bits)
+                return [(ch, lo, 4 * ch), (4 + ch, hi, 16 + 4 * ch)]
+
+            def legacy_lanes(b, o, ch):
+                """fma each token's lanes of chunk ch of block b into its accumulators."""
+                x0 = builder.mul(b, c(32))
+                d = halves16(builder.add(o, c(gb - 32)))
+                runs = legacy_runs(o, ch)
+                for t in range(n_tok):
+                    dd = builder.fmul(d, _splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F))
+                    for lane, u, v0 in runs:     # isum: the sums per 4 values; the offset starts the dot
+                        s4 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(8)), c(v0 // 4)), I32)
+                        init = _splat(builder, builder.mul(s4, ir.Constant(I32, -off)), V16I)
+                        v = builder.call(dpbusd, [init, u, xword(t, builder.add(x0, c(v0)))])
+                        a = acc[t][lane]
+                        builder.store(builder.call(fma, [dd, builder.sitofp(v, V16F), builder.load(a)]), a)
+
             n_acc = 2 if kind == Q4_K else 8
             acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(n_acc)] for _ in range(n_tok)]
             prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
                                                       "llvm.prefetch.p0i8")
             low4, top2, zero = ir.Constant(V64B, [15] * 64), ir.Constant(V64B, [48] * 64), ir.Constant(V16I, None)
+            if batch and kind in (Q4_0, Q5_0, Q8_0):
+                # a batch: one chunk (one or two lanes) at a time over all blocks, so that only
+                # those lanes' accumulators are live (the order within each lane is the same)
+                for ch in range(8 if kind == Q8_0 else 4):
+                    with cgutils.for_range(builder, anb) as loop:
+                        legacy_lanes(loop.index, builder.add(gbase, builder.mul(loop.index, c(gb))), ch)
+                anb = ir.Constant(anb.type, 0)       # the block loop below then does nothing
             with cgutils.for_range(builder, anb) as loop:
                 b = loop.index
                 o = builder.add(gbase, builder.mul(b, c(gb)))
-                for line in range(0, gb, 64):      # read, keep in all caches, data
+                for line in range(0, gb if pf else 0, 64):      # read, keep in all caches, data
                     builder.call(prefetch, [builder.gep(base, [builder.add(o, c(pf + line))]), *(ir.Constant(I32, v) for v in (0, 3, 1))])
                 if kind == Q6_K and batch:
                     # llama.cpp's tiled batch kernel: the block's whole integer sum
@@ -319,8 +358,18 @@ def _rows16(kind, n_tok, batch=False):
                             a = acc[t][ch]
                             builder.store(builder.call(fma, [dd, builder.sitofp(builder.sub(lane[t], less), V16F), builder.load(a)]), a)
                 elif kind == Q4_K:
+                    # llama.cpp's q4_K 8x8 kernels: two chains, the scales' (d_w d_x times the
+                    # scaled dots) and the mins' (dmin_w d_x times sum_j m_j * (x-sum of
+                    # sub-block j)), subtracted at the end; the gemv adds once per block, the
+                    # gemm (batch) once per pair of sub-blocks
                     x0 = builder.mul(b, c(256))
-                    ia, pia = [zero] * n_tok, []
+                    d, dmin = halves16(builder.add(o, c(2304))), halves16(builder.add(o, c(2336)))
+                    dd, ddm = [], []
+                    for t in range(n_tok):
+                        dx = _splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F)
+                        dd.append(builder.fmul(d, dx))
+                        ddm.append(builder.fmul(dmin, dx))
+                    ia, mins = [zero] * n_tok, [zero] * n_tok
                     for p in range(4):
                         dlo, dhi = [zero] * n_tok, [zero] * n_tok
                         for ch in range(8):
@@ -330,66 +379,30 @@ def _rows16(kind, n_tok, batch=False):
                                 dlo[t] = builder.call(dpbusd, [dlo[t], lo, xword(t, builder.add(x0, c(64 * p + 4 * ch)))])
                                 dhi[t] = builder.call(dpbusd, [dhi[t], hi, xword(t, builder.add(x0, c(64 * p + 32 + 4 * ch)))])
                         sl, sh = bytes16(builder.add(o, c(2048 + 32 * p))), bytes16(builder.add(o, c(2064 + 32 * p)))
+                        # m_2p, m_2p+1 of the 16 rows as int16 pairs against the x-sums of those
+                        # sub-blocks (isum is int16 here): vpdpwssd
+                        two = load(builder.add(o, c(2176 + 32 * p)), ir.VectorType(I8, 32))
+                        mp = builder.zext(builder.shuffle_vector(two, two, ir.Constant(ir.VectorType(I32, 32), [i // 2 + 16 * (i % 2) for i in range(32)])), V32H)
                         for t in range(n_tok):
-                            ia[t] = builder.add(ia[t], builder.add(builder.mul(dlo[t], sl), builder.mul(dhi[t], sh)))
-                        if batch:       # the gemm kernel: both chains per pair of sub-blocks
-                            pia.append(ia)
-                            ia = [zero] * n_tok
-                    d, dmin = halves16(builder.add(o, c(2304))), halves16(builder.add(o, c(2336)))
-                    # sum_j m_j * (sum of x over sub-block j): pairs of mins as int16 against
-                    # pairs of the sums (isum is int16 here), two per lane and vpdpwssd
-                    mp = []
-                    for k in range(4):
-                        two = load(builder.add(o, c(2176 + 32 * k)), ir.VectorType(I8, 32))   # m_2k, m_2k+1 of 16 rows
-                        inter = builder.shuffle_vector(two, two, ir.Constant(ir.VectorType(I32, 32), [i // 2 + 16 * (i % 2) for i in range(32)]))
-                        mp.append(builder.zext(inter, V32H))
-                    for t in range(n_tok):
-                        # llama.cpp's q4_K 8x8 kernels: two chains, scales and mins, apart; the
-                        # gemv adds once per block, the gemm (batch) once per pair of sub-blocks
-                        dx = _splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F)
-                        a, am = acc[t][0], acc[t][1]
-                        mins = zero
-                        for k in range(4):
-                            pair = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(8)), c(2 * k)), I32)
-                            mins = builder.call(dpwssd, [mins, mp[k], builder.bitcast(_splat(builder, pair, V16I), V32H)])
+                            ip = builder.add(builder.mul(dlo[t], sl), builder.mul(dhi[t], sh))
+                            pair = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(8)), c(2 * p)), I32)
+                            mk = builder.call(dpwssd, [zero if batch else mins[t], mp, builder.bitcast(_splat(builder, pair, V16I), V32H)])
                             if batch:
-                                builder.store(builder.call(fma, [builder.sitofp(pia[k][t], V16F), builder.fmul(d, dx), builder.load(a)]), a)
-                                builder.store(builder.call(fma, [builder.sitofp(mins, V16F), builder.fmul(dmin, dx), builder.load(am)]), am)
-                                mins = zero
-                        if not batch:
-                            builder.store(builder.call(fma, [builder.sitofp(ia[t], V16F), builder.fmul(d, dx), builder.load(a)]), a)
-                            builder.store(builder.call(fma, [builder.sitofp(mins, V16F), builder.fmul(dmin, dx), builder.load(am)]), am)
+                                a, am = acc[t][0], acc[t][1]
+                                builder.store(builder.call(fma, [builder.sitofp(ip, V16F), dd[t], builder.load(a)]), a)
+                                builder.store(builder.call(fma, [builder.sitofp(mk, V16F), ddm[t], builder.load(am)]), am)
+                            else:
+                                ia[t], mins[t] = builder.add(ia[t], ip), mk
+                    if not batch:
+                        for t in range(n_tok):
+                            a, am = acc[t][0], acc[t][1]
+                            builder.store(builder.call(fma, [builder.sitofp(ia[t], V16F), dd[t], builder.load(a)]), a)
+                            builder.store(builder.call(fma, [builder.sitofp(mins[t], V16F), ddm[t], builder.load(am)]), am)
                 else:
                     # llama.cpp's lanes (vec_dot / tinyBLAS over Q8_0 activations): lane l is the
                     # integer dot of values 4l..4l+3 of each block, d_w * d_x times it into lane l
-                    x0 = builder.mul(b, c(32))
-                    d = halves16(builder.add(o, c(gb - 32)))
-                    runs = []           # (lane, unsigned values, first value)
-                    if kind == Q8_0:
-                        for ch in range(8):
-                            runs.append((ch, load(builder.add(o, c(64 * ch)), V64B), 4 * ch))
-                    else:
-                        for ch in range(4):
-                            q = load(builder.add(o, c(64 * ch)), V64B)
-                            lo, hi = builder.and_(q, low4), builder.lshr(q, ir.Constant(V64B, [4] * 64))
-                            if kind == Q5_0:
-                                sixteen, none = ir.Constant(V64B, [16] * 64), ir.Constant(V64B, [0] * 64)
-                                for half in range(2):
-                                    mk = load(builder.add(o, c(256 + 16 * ch + 8 * half)), ir.IntType(64))
-                                    bits = builder.select(builder.bitcast(mk, ir.VectorType(I1, 64)), sixteen, none)
-                                    if half == 0:
-                                        lo = builder.or_(lo, bits)
-                                    else:
-                                        hi = builder.or_(hi, bits)
-                            runs += [(ch, lo, 4 * ch), (4 + ch, hi, 16 + 4 * ch)]
-                    for t in range(n_tok):
-                        dd = builder.fmul(d, _splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F))
-                        for lane, u, v0 in runs:     # isum: the sums per 4 values; the offset starts the dot
-                            s4 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(8)), c(v0 // 4)), I32)
-                            init = _splat(builder, builder.mul(s4, ir.Constant(I32, -off)), V16I)
-                            v = builder.call(dpbusd, [init, u, xword(t, builder.add(x0, c(v0)))])
-                            a = acc[t][lane]
-                            builder.store(builder.call(fma, [dd, builder.sitofp(v, V16F), builder.load(a)]), a)
+                    for ch in range(8 if kind == Q8_0 else 4):
+                        legacy_lanes(b, o, ch)
             for t in range(n_tok):
                 a = [builder.load(v) for v in acc[t]]
                 if kind == Q4_K:
@@ -407,10 +420,10 @@ def _rows16(kind, n_tok, batch=False):
 
 
 def _dispatch(n_tok, batch=False):
-    """One token (decode) or four at a time (verification of a few tokens, or a batch): the
-    kernel of each kind, chosen by an if-chain (numba cannot index a tuple of intrinsics at
-    run time)."""
-    q4_0, q5_0, q8_0, q4_K, q6_K = (_rows16(k, n_tok, batch) for k in range(5))
+    """The kernel of each kind for n_tok[kind] tokens at a time: one (decode), four
+    (verification of a few tokens, a batch) or eight (the Q8_0-activation kinds in a batch),
+    chosen by an if-chain (numba cannot index a tuple of intrinsics at run time)."""
+    q4_0, q5_0, q8_0, q4_K, q6_K = (_rows16(k, n_tok[k], batch) for k in range(5))
 
     @njit(inline="always")
     def group(kind, pk, g, nb, xq, xd, isum, y, t0):
@@ -427,19 +440,21 @@ def _dispatch(n_tok, batch=False):
     return group
 
 
-_group1, _group4, _group4b = _dispatch(1), _dispatch(4), _dispatch(4, True)
+BATCH_STEP = (8, 8, 8, 4, 4)    # tokens per batch kernel call, by kind
+_group1, _group4, _groupb = _dispatch((1,) * 5), _dispatch((4,) * 5), _dispatch(BATCH_STEP, True)
 
 
 @njit(parallel=True, cache=True)
 def _matmul(pk, kind, nb, xq, xd, isum, y, nbatch):
-    """y (T, rows) for the T tokens of xq: the first nbatch (a multiple of four) by the batch
-    kernels, the rest four at a time, then one, by decode's. Not fastmath: LLVM would then be
-    free to fuse or reorder the float steps differently in the 1- and 4-token kernels, and a
-    token checked in a group must get the bits it gets alone."""
+    """y (T, rows) for the T tokens of xq: the first nbatch (a multiple of the kind's
+    BATCH_STEP) by the batch kernels, the rest four at a time, then one, by decode's. Not
+    fastmath: LLVM would then be free to fuse or reorder the float steps differently in the
+    1- and 4-token kernels, and a token checked in a group must get the bits it gets alone."""
     T4 = xq.shape[0] // 4 * 4
+    step = 8 if kind <= Q8_0 else 4
     for g in prange(pk.shape[0]):
-        for t0 in range(0, nbatch, 4):
-            _group4b(kind, pk, g, nb, xq, xd, isum, y, t0)
+        for t0 in range(0, nbatch, step):
+            _groupb(kind, pk, g, nb, xq, xd, isum, y, t0)
         for t0 in range(nbatch, T4, 4):
             _group4(kind, pk, g, nb, xq, xd, isum, y, t0)
         for t0 in range(T4, xq.shape[0]):
@@ -504,14 +519,14 @@ _ybuf: dict[int, np.ndarray] = {}
 
 
 def batch_tokens(kind: int, n: int) -> int:
-    """How many of n tokens llama.cpp's batch kernels take (the rest get decode's float
-    order): Q4_K's gemm takes whole fours (the rest go through its gemv), Q6_K's tiled kernel
-    all of a batch of 8 or more; the Q8_0-activation kinds have one order for all."""
+    """How many of n tokens go to the batch kernels (the rest get decode's float order):
+    llama.cpp's Q4_K gemm takes whole fours (the rest go through its gemv), Q6_K's tiled
+    kernel all of a batch of 8 or more; the Q8_0-activation kinds have one order for all."""
     if kind == Q4_K:
         return n - n % 4
-    if kind == Q6_K and n >= 8:
-        return -(-n // 4) * 4
-    return 0
+    if kind == Q6_K:
+        return -(-n // 4) * 4 if n >= 8 else 0
+    return n - n % 8        # the same order either way: eight at a time only for speed
 
 
 def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True) -> None:

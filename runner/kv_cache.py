@@ -14,9 +14,10 @@ import numpy as np
 class LayerCache:
     def __init__(self, n_kv: int, cap: int, head_dim: int, window: int):
         # arrays of a multiple of 64 slots (the extra ones stay empty): attention sums 64 at a
-        # time; k holds a row of slots per dim, so scores vectorize over slots
+        # time; k holds a row of slots per dim, so scores vectorize over slots, and each row is
+        # 16 floats longer so that one slot's dims do not all fall in one L1 cache set
         size = -(-cap // 64) * 64
-        self.k = np.zeros((n_kv, head_dim, size), np.float32)
+        self.k = np.zeros((n_kv, head_dim, size + 16), np.float32)
         self.v = np.zeros((n_kv, size, head_dim), np.float32)
         self.pos = np.full(size, -1, np.int64)  # absolute position held by each slot, -1 empty
         self.window = window                    # 0: attend to everything cached

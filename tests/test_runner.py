@@ -34,7 +34,7 @@ def test_ring_keeps_the_first_tokens_and_overwrites_the_oldest():
     lc = c.layers[0]
     assert c.dropped and c.n_past == 11
     assert sorted(lc.pos[:lc.cap].tolist()) == [0, 1, 5, 6, 7, 8, 9, 10]   # 2 kept + the 6 most recent
-    assert lc.k.shape[2] == len(lc.pos) == 64 and (lc.pos[lc.cap:] == -1).all()   # arrays padded to 64 slots, never used
+    assert lc.v.shape[1] == len(lc.pos) == 64 and (lc.pos[lc.cap:] == -1).all()   # arrays padded to 64 slots, never used
 
 
 def test_sliding_layers_hold_window_plus_chunk():
@@ -119,7 +119,7 @@ def _attention_case(window, d=128, cap=128, filled=100):
 def _run_attention(q, k, v, kpos, qpos, window, batch):
     from runner.backends.kernels import attention, attention_scratch
     out = np.zeros(q.shape, np.float32)
-    scratch = np.zeros((8, attention_scratch(k.shape[2], q.shape[2], q.shape[1] // k.shape[0])), np.float32)
+    scratch = np.zeros((8, attention_scratch(v.shape[1], q.shape[2], q.shape[1] // k.shape[0])), np.float32)
     attention(q, qpos, k, v, kpos, int((kpos >= 0).sum()), window, np.float32(q.shape[2] ** -0.5), out, scratch, batch)
     return out
 

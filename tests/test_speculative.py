@@ -212,7 +212,7 @@ def _same_cache(a: KVCache, b: KVCache):
     for la, lb in zip(a.layers, b.layers):
         np.testing.assert_array_equal(la.pos, lb.pos)
         live = la.pos >= 0
-        np.testing.assert_array_equal(la.k[:, :, live], lb.k[:, :, live])   # k: (kv heads, dims, slots)
+        np.testing.assert_array_equal(la.k[:, :, :len(live)][:, :, live], lb.k[:, :, :len(live)][:, :, live])   # k: (kv heads, dims, slots)
         np.testing.assert_array_equal(la.v[:, live], lb.v[:, live])
 
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 from numba import get_thread_id, njit, prange
 
-from quant.intrin import add16, bits_f32, f32_bits, fma16, fma32, mul16
+from quant.intrin import add16, bits_f32, f32_bits, fma16, fma32, mul16, pv16, scores16
 
 f32 = np.float32
 _C = [f32(float.fromhex(h)) for h in ("0x1.8p23", "0x1.715476p+0", "0x1.7f7d1cp-20", "0x1.62e4p-1", "0x1.0e4020p-7",
@@ -136,6 +136,23 @@ def attention_scratch(cap: int, head_dim: int, group: int) -> int:
     return group * (cap + 64 * 16 + 64 * head_dim)
 
 
+_S64_16, _S64_64, _S128_16, _S128_64, _S256_16, _S256_64 = (scores16(d, lanes) for d in (64, 128, 256) for lanes in (16, 64))
+
+
+@njit(inline="always")
+def _scores(d, batch, kf, ko, cap, qf, qo, out, oo):
+    """16 scores by scores16 for the head sizes it is built for; False for others."""
+    if d == 64:
+        _S64_16(kf, ko, cap, qf, qo, out, oo) if batch else _S64_64(kf, ko, cap, qf, qo, out, oo)
+    elif d == 128:
+        _S128_16(kf, ko, cap, qf, qo, out, oo) if batch else _S128_64(kf, ko, cap, qf, qo, out, oo)
+    elif d == 256:
+        _S256_16(kf, ko, cap, qf, qo, out, oo) if batch else _S256_64(kf, ko, cap, qf, qo, out, oo)
+    else:
+        return False
+    return True
+
+
 @njit(inline="always")
 def _visible(p0, p1, window):
     return (p0 >= 0) & (p0 <= p1) & ((window == 0) | (p1 - p0 < window))
@@ -145,7 +162,7 @@ def _visible(p0, p1, window):
 def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch):
     """out[t, h] = softmax(scale * q[t, h] . k[g]) @ v[g] over the cached slots that hold a
     position p <= qpos[t] (and qpos[t] - p < window for sliding layers), g = h's kv head.
-    q, out: (n_tok, n_head, d); k: (n_kv, d, cap); v: (n_kv, cap, d), cap a multiple of 64;
+    q, out: (n_tok, n_head, d); k: (n_kv, d, >= cap); v: (n_kv, cap, d), cap a multiple of 64;
     scratch: (threads, attention_scratch).
 
     In llama.cpp's float steps (f16 cache, no flash attention), so that the bits agree: q, k
@@ -161,13 +178,13 @@ def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch):
     A work item is one query and kv head: each row of k and v, read once, serves all the
     query heads of the group (the cache is read from L2 once per group, not per head)."""
     n_tok, n_head, d = q.shape
-    n_kv, cap = k.shape[0], k.shape[2]
+    n_kv, cap, stride = k.shape[0], v.shape[1], k.shape[2]      # slots; k's row length (>= cap)
     group = n_head // n_kv
     lanes = 16 if batch else 64
-    kf, vf = k.ravel(), v.ravel()
+    kf, vf, qf = k.ravel(), v.ravel(), q.ravel()
     Ps, Vs = lanes * 16, lanes * d                 # per head: score lanes, value lanes
     top = np.zeros(n_tok, np.int64)                # per query: its sums stop after the last slot it sees
-    for t in prange(n_tok):
+    for t in range(n_tok):
         for s in range(n_slots):
             if _visible(kpos[s], qpos[t], window):
                 top[t] = s + 1
@@ -182,17 +199,18 @@ def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch):
         if d < lanes:               # lanes no dim reaches stay zero
             P[:] = 0
         for b0 in range(0, n, 16):          # scores of 16 slots at once, lane j % lanes
-            for j in range(d):
-                ko = (g * d + j) * cap + b0
-                for e in range(group):
-                    if j < lanes:           # a lane's first product: fma onto zero
-                        mul16(P, e * Ps + j * 16, kf, ko, q[t, g * group + e, j])
-                    else:
-                        fma16(P, e * Ps + (j % lanes) * 16, kf, ko, q[t, g * group + e, j])
             for e in range(group):
-                if not batch:
-                    _fold(P, e * Ps, 16)
-                _tree(P, e * Ps, 16)
+                if not _scores(d, batch, kf, g * d * stride + b0, stride, qf, (t * n_head + g * group + e) * d, P, e * Ps):
+                    for j in range(d):      # other head sizes: the same sums, through memory
+                        ko = (g * d + j) * stride + b0
+                        if j < lanes:       # a lane's first product: fma onto zero
+                            mul16(P, e * Ps + j * 16, kf, ko, q[t, g * group + e, j])
+                        else:
+                            fma16(P, e * Ps + (j % lanes) * 16, kf, ko, q[t, g * group + e, j])
+                    if not batch:
+                        _fold(P, e * Ps, 16)
+                    _tree(P, e * Ps, 16)
+            for e in range(group):
                 for c in range(16):
                     if _visible(kpos[b0 + c], p1, window):
                         w = P[e * Ps + c] * scale
@@ -213,14 +231,9 @@ def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch):
                 x = sc[e * cap + b0:e * cap + b0 + 16]
                 for c in range(16):
                     x[c] = f16_round_pos(x[c] * inv)
-        pv[:] = 0
-        for s in range(n):
-            vo = (g * cap + s) * d
-            for e in range(group):
-                wgt = sc[e * cap + s]
-                if wgt != 0:
-                    for c in range(0, d, 16):
-                        fma16(pv, e * Vs + (s % lanes) * d + c, vf, vo + c, wgt)
+        for e in range(group):      # weights . v, lane s % lanes, 16 dims at a time
+            for c in range(0, d, 16):
+                pv16(vf, g * cap * d + c, d, n, sc, e * cap, lanes, pv, e * Vs + c, d)
         for e in range(group):
             if not batch:
                 _fold(pv, e * Vs, d)

@@ -161,7 +161,7 @@ class NumbaCPU:
     def make_cache(self, n_ctx: int, n_keep: int = 0) -> KVCache:
         c = self.cfg
         cache = KVCache(c.n_layer, c.n_head_kv, c.head_dim, n_ctx, [l.window for l in self.layers], self.chunk, n_keep)
-        cap = max(lc.k.shape[2] for lc in cache.layers)   # slots of the arrays
+        cap = max(lc.v.shape[1] for lc in cache.layers)   # slots of the arrays
         size = K.attention_scratch(cap, c.head_dim, c.n_head // c.n_head_kv)
         if self.scratch is None or self.scratch.shape[1] < size:
             self.scratch = np.zeros((numba.config.NUMBA_NUM_THREADS, size), np.float32)
