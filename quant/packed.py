@@ -281,12 +281,12 @@ def _rows16(kind, n_tok, batch=False):
                         a = acc[t][lane]
                         builder.store(builder.call(fma, [dd, builder.sitofp(v, V16F), builder.load(a)]), a)
 
-            n_acc = 2 if kind == Q4_K else 8
+            n_acc = 2 if kind == Q4_K else 1 if kind == Q4_0 else 8
             acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(n_acc)] for _ in range(n_tok)]
             prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
                                                       "llvm.prefetch.p0i8")
             low4, top2, zero = ir.Constant(V64B, [15] * 64), ir.Constant(V64B, [48] * 64), ir.Constant(V16I, None)
-            if batch and kind in (Q4_0, Q5_0, Q8_0):
+            if batch and kind in (Q5_0, Q8_0):
                 # a batch: one chunk (one or two lanes) at a time over all blocks, so that only
                 # those lanes' accumulators are live (the order within each lane is the same)
                 for ch in range(8 if kind == Q8_0 else 4):
@@ -398,6 +398,24 @@ def _rows16(kind, n_tok, batch=False):
                             a, am = acc[t][0], acc[t][1]
                             builder.store(builder.call(fma, [builder.sitofp(ia[t], V16F), dd[t], builder.load(a)]), a)
                             builder.store(builder.call(fma, [builder.sitofp(mins[t], V16F), ddm[t], builder.load(am)]), am)
+                elif kind == Q4_0:
+                    # llama.cpp's repacked q4_0 8x8 kernels: one chain, the block's whole
+                    # integer dot times d_w * d_x
+                    x0 = builder.mul(b, c(32))
+                    d = halves16(builder.add(o, c(gb - 32)))
+                    ia = [zero] * n_tok
+                    for ch in range(4):
+                        for _, u, v0 in legacy_runs(o, ch):
+                            for t in range(n_tok):
+                                ia[t] = builder.call(dpbusd, [ia[t], u, xword(t, builder.add(x0, c(v0)))])
+                    for t in range(n_tok):
+                        s32 = scalar(tis, aisum, t, lds, builder.mul(b, c(8)), I32)
+                        for g4 in range(1, 8):          # isum holds the sums per 4 values
+                            s32 = builder.add(s32, scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(8)), c(g4)), I32))
+                        v = builder.sub(ia[t], _splat(builder, builder.mul(s32, ir.Constant(I32, off)), V16I))
+                        dd = builder.fmul(d, _splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F))
+                        a = acc[t][0]
+                        builder.store(builder.call(fma, [builder.sitofp(v, V16F), dd, builder.load(a)]), a)
                 else:
                     # llama.cpp's lanes (vec_dot / tinyBLAS over Q8_0 activations): lane l is the
                     # integer dot of values 4l..4l+3 of each block, d_w * d_x times it into lane l
@@ -407,7 +425,7 @@ def _rows16(kind, n_tok, batch=False):
                 a = [builder.load(v) for v in acc[t]]
                 if kind == Q4_K:
                     out = builder.fsub(a[0], a[1])
-                elif kind == Q6_K and batch:
+                elif (kind == Q6_K and batch) or kind == Q4_0:
                     out = a[0]
                 else:       # hsum_float_8's order
                     out = builder.fadd(builder.fadd(builder.fadd(a[4], a[0]), builder.fadd(a[6], a[2])),

@@ -2,6 +2,7 @@
 (slow; for the tests). The integer block sums are exact in any order; what decides the bits
 is how each kernel turns them into float32 and adds them up:
 
+- Q4_0 (repacked q4_0_8x8, gemv and gemm): one chain, the block's whole dot times d_w * d_x.
 - Q8_0, Q5_0 (ggml_vec_dot_*_q8_0 for one token, tinyBLAS for a batch): 8 lanes, lane l the
   integer dot of values 4l..4l+3 of each block, fma'd with d_w * d_x into lane l; the lanes
   summed in hsum_float_8's tree.
@@ -64,6 +65,15 @@ def row(type_id: int, raw_row: np.ndarray, x: np.ndarray, n_batch: int, index: i
     """One output of a batch of n_batch tokens: weight row raw_row against token index's
     activations x (float32)."""
     n = x.shape[0]
+    if type_id == T.Q4_0:
+        xq, xd = np.zeros(n, np.int8), np.zeros(n // 32, f32)
+        quantize_q8_0(x, xq, xd, np.zeros(n // 32, f32), np.zeros(n // 32, np.int32))
+        acc = f32(0)
+        for b in range(n // 32):
+            blk = raw_row[b * 18:(b + 1) * 18]
+            w = np.concatenate([blk[2:] & 15, blk[2:] >> 4]).astype(np.int64) - 8
+            acc = _fma(f32(int((w * xq[32 * b:32 * b + 32]).sum())), f32(_f16(blk) * xd[b]), acc)
+        return acc
     if type_id in (T.Q8_0, T.Q5_0):
         xq, xd = np.zeros(n, np.int8), np.zeros(n // 32, f32)
         quantize_q8_0(x, xq, xd, np.zeros(n // 32, f32), np.zeros(n // 32, np.int32))

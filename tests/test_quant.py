@@ -191,14 +191,14 @@ def test_packed_matches_file_layout(type_id, rows, nb):
 
 
 @pytest.mark.skipif(not packed.enabled(), reason="repacking needs AVX512-VNNI (and NUMBAT_REPACK unset)")
-@pytest.mark.parametrize("type_id", [T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K], ids=lambda t: T(t).name)
+@pytest.mark.parametrize("type_id", [T.Q4_0, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K], ids=lambda t: T(t).name)
 def test_packed_sums_in_llamas_order(type_id):
     """Bit for bit against llama.cpp's kernels' float steps (tests/llama_orders.py) for one
     token and for batches of 6 (Q4_K: gemm for four, gemv for two) and 9 (Q6_K's tiled
     kernel); decode's order differs from the batch's on these blocks."""
     import llama_orders
     rng = np.random.default_rng(7)
-    raw = random_blocks(type_id, 16, 8 if type_id in (T.Q8_0, T.Q5_0) else 3, rng)
+    raw = random_blocks(type_id, 16, 3 if type_id in (T.Q4_K, T.Q6_K) else 8, rng)
     p = packed.pack(type_id, raw)
     X = (rng.standard_normal((9, p.cols)) * rng.uniform(0.1, 10, (9, 1))).astype(np.float32)
     for n in (1, 6, 9):

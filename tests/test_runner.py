@@ -120,7 +120,7 @@ def _run_attention(q, k, v, kpos, qpos, window, batch):
     from runner.backends.kernels import attention, attention_scratch
     out = np.zeros(q.shape, np.float32)
     scratch = np.zeros((8, attention_scratch(v.shape[1], q.shape[2], q.shape[1] // k.shape[0])), np.float32)
-    attention(q, qpos, k, v, kpos, int((kpos >= 0).sum()), window, np.float32(q.shape[2] ** -0.5), out, scratch, batch)
+    attention(q, qpos, k, v, kpos, int((kpos >= 0).sum()), window, np.float32(q.shape[2] ** -0.5), out, scratch, batch, 2)
     return out
 
 

@@ -159,7 +159,7 @@ def _visible(p0, p1, window):
 
 
 @njit(parallel=True, cache=True)
-def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch):
+def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch, threads):
     """out[t, h] = softmax(scale * q[t, h] . k[g]) @ v[g] over the cached slots that hold a
     position p <= qpos[t] (and qpos[t] - p < window for sliding layers), g = h's kv head.
     q, out: (n_tok, n_head, d); k: (n_kv, d, >= cap); v: (n_kv, cap, d), cap a multiple of 64;
@@ -188,8 +188,13 @@ def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch):
         for s in range(n_slots):
             if _visible(kpos[s], qpos[t], window):
                 top[t] = s + 1
-    for i in prange(n_tok * n_kv):
-        u, g = i // n_kv, i % n_kv
+    # work items: a query, a kv head, and a share of its group's heads (one share unless
+    # there are fewer query-kv pairs than threads (numba's): a decode step with one kv head)
+    shares = min(group, max(1, threads // (n_tok * n_kv)))
+    per = -(-group // shares)
+    for i in prange(n_tok * n_kv * shares):
+        u, g, e0 = i // (n_kv * shares), (i // shares) % n_kv, (i % shares) * per
+        e1 = min(group, e0 + per)
         t = u // 2 if u % 2 == 0 else n_tok - 1 - u // 2     # early and late queries alternate: even work
         n = -(-top[t] // 16) * 16
         buf = scratch[get_thread_id()]
@@ -199,7 +204,7 @@ def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch):
         if d < lanes:               # lanes no dim reaches stay zero
             P[:] = 0
         for b0 in range(0, n, 16):          # scores of 16 slots at once, lane j % lanes
-            for e in range(group):
+            for e in range(e0, e1):
                 if not _scores(d, batch, kf, g * d * stride + b0, stride, qf, (t * n_head + g * group + e) * d, P, e * Ps):
                     for j in range(d):      # other head sizes: the same sums, through memory
                         ko = (g * d + j) * stride + b0
@@ -210,7 +215,7 @@ def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch):
                     if not batch:
                         _fold(P, e * Ps, 16)
                     _tree(P, e * Ps, 16)
-            for e in range(group):
+            for e in range(e0, e1):
                 for c in range(16):
                     if _visible(kpos[b0 + c], p1, window):
                         w = P[e * Ps + c] * scale
@@ -218,7 +223,7 @@ def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch):
                         mx[e] = max(mx[e], w)
                     else:
                         sc[e * cap + b0 + c] = -np.inf
-        for e in range(group):
+        for e in range(e0, e1):
             total = 0.0
             for b0 in range(0, n, 16):
                 x = sc[e * cap + b0:e * cap + b0 + 16]      # a slice: plain indices, so the loop vectorizes
@@ -231,10 +236,10 @@ def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch):
                 x = sc[e * cap + b0:e * cap + b0 + 16]
                 for c in range(16):
                     x[c] = f16_round_pos(x[c] * inv)
-        for e in range(group):      # weights . v, lane s % lanes, 16 dims at a time
+        for e in range(e0, e1):      # weights . v, lane s % lanes, 16 dims at a time
             for c in range(0, d, 16):
                 pv16(vf, g * cap * d + c, d, n, sc, e * cap, lanes, pv, e * Vs + c, d)
-        for e in range(group):
+        for e in range(e0, e1):
             if not batch:
                 _fold(pv, e * Vs, d)
             _tree(pv, e * Vs, d)

@@ -218,7 +218,7 @@ class NumbaCPU:
             K.rope_store(q3, k3, v.reshape(n, c.n_head_kv, hd), positions, L.theta_scale, self.freq_scale,
                          self.freq_factors, c.rope_neox, sl, lc.k, lc.v, q_scale)
             K.attention(q3, positions, lc.k, lc.v, lc.pos, lc.hi, L.window, kq_scale,
-                        attn.reshape(n, c.n_head, hd), self.scratch, batch)
+                        attn.reshape(n, c.n_head, hd), self.scratch, batch, numba.get_num_threads())
             L.wo(attn, o, batch=batch)
             if L is self.layers[-1] and mode != "all":
                 # as llama.cpp, the last layer's FFN runs only for the rows that give output
