@@ -281,6 +281,37 @@ def _rows16(kind, n_tok, batch=False):
                         a = acc[t][lane]
                         builder.store(builder.call(fma, [dd, builder.sitofp(v, V16F), builder.load(a)]), a)
 
+            def q6_lane(b, o, ch):
+                """llama.cpp's lanes for Q6_K (vec_dot_q6_K_q8_K): lane ch sums, over the eight
+                runs of 32 values of block b (at o), scale * (q . x) of values 4ch..4ch+3 of
+                the run, less 32 * (the scaled x-sums of sub-blocks 2ch and 2ch + 1); then
+                d_x * d_w times the lane into each token's accumulator ch."""
+                x0 = builder.mul(b, c(256))
+                scale = lambda j: builder.sext(load(builder.add(o, c(3072 + 16 * j)), ir.VectorType(I8, 16)), V16I)
+                lane = [zero] * n_tok
+                for h in range(2):
+                    hb = load(builder.add(o, c(64 * (32 + 8 * h + ch))), V64B)
+                    for k in range(2):
+                        ql = load(builder.add(o, c(64 * (16 * h + 8 * k + ch))), V64B)
+                        for s_, nib in ((k, builder.and_(ql, low4)), (k + 2, builder.lshr(ql, ir.Constant(V64B, [4] * 64)))):
+                            # the value q (0..63): bits 2s_, 2s_ + 1 of hb on top of the nibble
+                            sh = 4 - 2 * s_
+                            top = (builder.shl if sh > 0 else builder.lshr)(hb, ir.Constant(V64B, [abs(sh)] * 64))
+                            w = builder.or_(nib, builder.and_(top, top2))
+                            sc = scale(8 * h + 2 * s_ + ch // 4)
+                            for t in range(n_tok):
+                                xo = builder.add(x0, c(128 * h + 32 * s_ + 4 * ch))
+                                lane[t] = builder.add(lane[t], builder.mul(builder.call(dpbusd, [zero, w, xword(t, xo)]), sc))
+                d = halves16(builder.add(o, c(3328)))
+                sa, sb = scale(2 * ch), scale(2 * ch + 1)
+                for t in range(n_tok):      # isum: 32 times the sums per 16
+                    s0 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(2 * ch)), I32)
+                    s1 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(2 * ch + 1)), I32)
+                    less = builder.add(builder.mul(sa, _splat(builder, s0, V16I)), builder.mul(sb, _splat(builder, s1, V16I)))
+                    dd = builder.fmul(_splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F), d)
+                    a = acc[t][ch]
+                    builder.store(builder.call(fma, [dd, builder.sitofp(builder.sub(lane[t], less), V16F), builder.load(a)]), a)
+
             n_acc = 2 if kind == Q4_K else 1 if kind == Q4_0 else 8
             acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(n_acc)] for _ in range(n_tok)]
             prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
@@ -288,7 +319,9 @@ def _rows16(kind, n_tok, batch=False):
             low4, top2, zero = ir.Constant(V64B, [15] * 64), ir.Constant(V64B, [48] * 64), ir.Constant(V16I, None)
             if batch and kind in (Q5_0, Q8_0):
                 # a batch: one chunk (one or two lanes) at a time over all blocks, so that only
-                # those lanes' accumulators are live (the order within each lane is the same)
+                # those lanes' accumulators are live (each lane's order is the same); the
+                # group's bytes are read from cache after the first chunk. (Not for the
+                # streamed reads of decode: Q6_K's four-token checks that way took 3x longer.)
                 for ch in range(8 if kind == Q8_0 else 4):
                     with cgutils.for_range(builder, anb) as loop:
                         legacy_lanes(loop.index, builder.add(gbase, builder.mul(loop.index, c(gb))), ch)
@@ -329,34 +362,8 @@ def _rows16(kind, n_tok, batch=False):
                         a = acc[t][0]
                         builder.store(builder.call(fma, [builder.fmul(builder.sitofp(ia[t], V16F), d), dx, builder.load(a)]), a)
                 elif kind == Q6_K:
-                    # llama.cpp's lanes (vec_dot_q6_K_q8_K): lane l sums, over the eight runs of
-                    # 32 values, scale * (q . x) of values 4l..4l+3 of the run, less 32 * (the
-                    # scaled x-sums of sub-blocks 2l and 2l + 1); then d * lane into lane l
-                    x0 = builder.mul(b, c(256))
-                    d = halves16(builder.add(o, c(3328)))
-                    sc = [builder.sext(load(builder.add(o, c(3072 + 16 * j)), ir.VectorType(I8, 16)), V16I) for j in range(16)]
                     for ch in range(8):
-                        lane = [zero] * n_tok
-                        for h in range(2):
-                            hb = load(builder.add(o, c(64 * (32 + 8 * h + ch))), V64B)
-                            for k in range(2):
-                                ql = load(builder.add(o, c(64 * (16 * h + 8 * k + ch))), V64B)
-                                for s_, nib in ((k, builder.and_(ql, low4)), (k + 2, builder.lshr(ql, ir.Constant(V64B, [4] * 64)))):
-                                    # the value q (0..63): bits 2s_, 2s_ + 1 of hb on top of the nibble
-                                    sh = 4 - 2 * s_
-                                    top = (builder.shl if sh > 0 else builder.lshr)(hb, ir.Constant(V64B, [abs(sh)] * 64))
-                                    w = builder.or_(nib, builder.and_(top, top2))
-                                    j = 8 * h + 2 * s_ + ch // 4
-                                    for t in range(n_tok):
-                                        xo = builder.add(x0, c(128 * h + 32 * s_ + 4 * ch))
-                                        lane[t] = builder.add(lane[t], builder.mul(builder.call(dpbusd, [zero, w, xword(t, xo)]), sc[j]))
-                        for t in range(n_tok):      # isum: 32 times the sums per 16
-                            s0 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(2 * ch)), I32)
-                            s1 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(2 * ch + 1)), I32)
-                            less = builder.add(builder.mul(sc[2 * ch], _splat(builder, s0, V16I)), builder.mul(sc[2 * ch + 1], _splat(builder, s1, V16I)))
-                            dd = builder.fmul(_splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F), d)
-                            a = acc[t][ch]
-                            builder.store(builder.call(fma, [dd, builder.sitofp(builder.sub(lane[t], less), V16F), builder.load(a)]), a)
+                        q6_lane(b, o, ch)
                 elif kind == Q4_K:
                     # llama.cpp's q4_K 8x8 kernels: two chains, the scales' (d_w d_x times the
                     # scaled dots) and the mins' (dmin_w d_x times sum_j m_j * (x-sum of
@@ -409,9 +416,7 @@ def _rows16(kind, n_tok, batch=False):
                             for t in range(n_tok):
                                 ia[t] = builder.call(dpbusd, [ia[t], u, xword(t, builder.add(x0, c(v0)))])
                     for t in range(n_tok):
-                        s32 = scalar(tis, aisum, t, lds, builder.mul(b, c(8)), I32)
-                        for g4 in range(1, 8):          # isum holds the sums per 4 values
-                            s32 = builder.add(s32, scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(8)), c(g4)), I32))
+                        s32 = scalar(tis, aisum, t, lds, b, I32)      # isum: the sums per 32 here
                         v = builder.sub(ia[t], _splat(builder, builder.mul(s32, ir.Constant(I32, off)), V16I))
                         dd = builder.fmul(d, _splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F))
                         a = acc[t][0]
@@ -493,14 +498,18 @@ def _quantize_k(X, q4, m, xq, xd, bs16, bs32, sums):
 
 
 @njit(cache=True)
-def _quantize_0(X, m, xq, xd, xs, s32, sum4):
-    """The rows of X as Q8_0 (sum4: the sums per 4 values), rows up to m zero."""
+def _quantize_0(X, m, xq, xd, xs, s32, sums, per4):
+    """The rows of X as Q8_0, rows up to m zero; sums: the sums per 4 values (per4: the
+    kernels' lanes) or per 32 (Q4_0's whole blocks)."""
     for i in range(X.shape[0]):
         quantize_q8_0(X[i], xq[i], xd[i], xs, s32)
-        for j in range(sum4.shape[1]):
-            sum4[i, j] = np.int32(xq[i, 4 * j]) + np.int32(xq[i, 4 * j + 1]) + np.int32(xq[i, 4 * j + 2]) + np.int32(xq[i, 4 * j + 3])
+        if per4:
+            for j in range(sums.shape[1]):
+                sums[i, j] = np.int32(xq[i, 4 * j]) + np.int32(xq[i, 4 * j + 1]) + np.int32(xq[i, 4 * j + 2]) + np.int32(xq[i, 4 * j + 3])
+        else:
+            sums[i, :s32.shape[0]] = s32
     for i in range(X.shape[0], m):
-        xq[i], xd[i], sum4[i] = 0, 0, 0
+        xq[i], xd[i], sums[i] = 0, 0, 0
 
 
 _bufs: dict[tuple, tuple] = {}
@@ -508,7 +517,7 @@ _bufs: dict[tuple, tuple] = {}
 
 def _quantized(p: Packed, X: np.ndarray, m: int):
     """X (T, cols) as the kernels read it, padded with zero rows to m >= T: views of m rows
-    of xq, xd and the sums (see _quantize_k; Q4_0/Q5_0/Q8_0: the sums per 4 values), and the
+    of xq, xd and the sums (see _quantize_k; Q5_0/Q8_0: the sums per 4 values, Q4_0 per 32), and the
     blocks per row. The buffers grow to the largest m asked for, once."""
     key = (p.kind, p.cols)
     b = _bufs.get(key)
@@ -526,7 +535,7 @@ def _quantized(p: Packed, X: np.ndarray, m: int):
     if k:
         _quantize_k(X, p.kind == Q4_K, m, xq, xd, s1, s2, sums)
     else:
-        _quantize_0(X, m, xq, xd, s1, s2, sums)
+        _quantize_0(X, m, xq, xd, s1, s2, sums, p.kind != Q4_0)
     v = views.get(m)
     if v is None:
         v = views[m] = (xq[:m], xd[:m], sums[:m], c // (256 if k else 32))
