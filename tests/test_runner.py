@@ -216,8 +216,9 @@ def test_exp_and_f16_rounding_kernels():
 
 def test_rope_store_is_rope_then_f16_rounding_into_the_slots():
     """The fused kernel equals its numpy steps bit for bit: RoPE, q scaled and rounded to f16,
-    k and v rounded to f16 at their slots (k stored dim-major), other slots untouched; f16 rounding at the edges of the
-    range (signs, -0, subnormals, 65504, overflow to inf) as numpy's."""
+    k and v rounded to f16 at their slots (k stored dim-major), other slots untouched; f16
+    rounding at the edges of the range (signs, -0, subnormals, 65504, overflow to inf) as
+    numpy's."""
     from runner.backends.kernels import rope, rope_store
     rng = np.random.default_rng(1)
     n, n_head, n_kv, d, cap = 5, 4, 2, 8, 12

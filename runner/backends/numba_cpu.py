@@ -15,9 +15,9 @@ from runner.backends import kernels as K
 from runner.kv_cache import KVCache
 
 
-# Batches up to this size run the matvec kernels (matvec_rows where the type has it): each
-# token's result is bit-identical to decoding it alone (speculative verification needs that
-# for exact greedy), and faster than dequantizing every weight tile for a few tokens.
+# Batches up to this size run the matvec kernels where the weights are not repacked
+# (matvec_rows where the type has it: faster than dequantizing every weight tile for a few
+# tokens), and Q/K/V (gate/up) as one fused repacked matrix where they have one.
 SMALL_BATCH = quant.kquants.ROWS
 
 
