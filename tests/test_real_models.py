@@ -65,26 +65,40 @@ def test_top1_agrees_with_llama_cpp(real, ppl):
     assert agree >= 0.99, f"{fx['model']}: top-1 agrees at {agree:.2%} of {len(ref)} scored positions"
 
 
-def greedy(m, prompt_ids: list[int], n: int) -> list[int]:
-    """Prefill the prompt, then one token per forward, argmax: what llama.cpp's fixture did."""
+def greedy(m, prompt_ids: list[int], n: int, top: list) -> tuple[list[int], list[np.ndarray]]:
+    """Prefill the prompt, then one token per forward, argmax: what llama.cpp's fixture did.
+    Also our logits at llama.cpp's top ids of each step (top[j]: [id, logit] pairs)."""
     cache = m.backend.make_cache(512)
     logits = m.backend.forward(prompt_ids, cache, logits="last")
-    out = []
-    for _ in range(n):
+    out, at = [], []
+    for j in range(n):
         out.append(int(logits[0].argmax()))
+        at.append(logits[0][[i for i, _ in top[j]]].copy())
         logits = m.backend.forward([out[-1]], cache, logits="last")
-    return out
+    return out, at
 
 
 def test_greedy_continuations_match_llama_cpp(real):
+    """The 64-token greedy continuations are llama.cpp's (a divergence would be accepted only
+    after a near-tie), and so are the logits on the way: at every decode step llama.cpp's
+    top 8 logits, compared as float32 bit patterns."""
     m, fx = real
     report = []
     for case in fx["greedy"]:
         assert m.tokenizer.encode(case["prompt"]) == case["prompt_ids"], case["prompt"]
         ref, gaps = case["ids"], case["gaps"]
-        ours = greedy(m, case["prompt_ids"], len(ref))
+        ours, at = greedy(m, case["prompt_ids"], len(ref), case["top"])
         if ours == ref:
-            report.append(f"{case['prompt']!r}: identical")
+            # step 0 is the prompt's last token: the fixture's llama.cpp ran with logits_all,
+            # i.e. its last layer's FFN and output matrix over the whole prompt as a batch,
+            # where numbat (as a generation asking for the last logits only) runs one row
+            want = np.array([[v for _, v in step] for step in case["top"]], np.float32)
+            np.testing.assert_allclose(at[0], want[0], rtol=1e-5)
+            same = np.array([(a.view(np.int32) == w.view(np.int32)).all() for a, w in zip(at[1:], want[1:])])
+            assert same.all(), (f"{fx['model']} {case['prompt']!r}: logits differ from llama.cpp's from step "
+                                f"{int(np.argmin(same)) + 1} on (max diff {np.abs(np.array(at) - want).max():.3g})")
+            report.append(f"{case['prompt']!r}: identical ids, top-8 logits bit-identical at steps 1-{len(ref) - 1}"
+                          f"{'' if (at[0] == want[0]).all() else ' (step 0 within 1e-5)'}")
             continue
         i = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
         assert ours[:i] == ref[:i]

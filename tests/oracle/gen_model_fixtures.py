@@ -2,15 +2,16 @@
 
 - tests/fixtures/model_<name>.json for each real catalog model: llama.cpp's ids of
   ppl_text.txt (add_bos as the model says), its perplexity at ctx 512 and top-1 id at
-  every scored position, and greedy continuations (chosen id and top-1/top-2 logit gap
-  per step) of a few raw prompts;
+  every scored position, and greedy continuations (chosen id, top-1/top-2 logit gap and
+  the top 8 logits as exact float32 values, per step) of a few raw prompts;
 - tests/fixtures/model_tiny_<arch>.npz for tiny random-weight models written by
   gguf_io.testing.write_tiny_model: llama.cpp's logits for every position of a fixed id
   sequence, per weight type. The writer's arguments are stored with them, so the test
   rebuilds the very same files.
 
 Dev-only (needs llama-cpp-python==0.3.36). Run from the repo root:
-    python tests/oracle/gen_model_fixtures.py [--real-only | --tiny-only]
+    python tests/oracle/gen_model_fixtures.py [--real-only | --tiny-only | --greedy-top]
+(--greedy-top adds only the top logits of each greedy step to the real-model fixtures).
 """
 from __future__ import annotations
 
@@ -85,18 +86,49 @@ def oracle_perplexity(llm, ids: list[int], add_bos: bool, bos: int) -> dict:
             "n_scored": len(nll), "top1": np.concatenate(tops).tolist()}
 
 
+N_TOP = 8   # logits kept per greedy step: the top ids and their exact float32 values
+
+
 def oracle_greedy(llm, prompt_ids: list[int]) -> dict:
     """Prefill the prompt as one batch, then one token per eval, as llama.cpp generation does."""
     llm.reset()
     llm.eval(prompt_ids)
-    chosen, gaps = [], []
+    chosen, gaps, top = [], [], []
     for _ in range(N_GREEDY):
-        row = np.asarray(llm.scores[llm.n_tokens - 1])
+        row = np.asarray(llm.scores[llm.n_tokens - 1], np.float32)
         top2 = np.sort(np.partition(row, -2)[-2:])
         chosen.append(int(row.argmax()))
         gaps.append(round(float(top2[1] - top2[0]), 4))
+        best = np.argsort(-row, kind="stable")[:N_TOP]
+        top.append([[int(i), float(row[i])] for i in best])     # float(float32) is exact in JSON
         llm.eval([chosen[-1]])
-    return {"prompt_ids": prompt_ids, "ids": chosen, "gaps": gaps}
+    return {"prompt_ids": prompt_ids, "ids": chosen, "gaps": gaps, "top": top}
+
+
+def greedy_top_logits() -> None:
+    """Add the top logits of every greedy step to the existing real-model fixtures (the
+    rest is left as it is; the greedy ids must come out the same). With logits_all, as the
+    ids were made: llama.cpp then runs the last layer's FFN and the output matrix over the
+    whole prompt as a batch, so step 0's logits come from batch kernels (numbat, like a
+    generation that asks for the last token's logits only, runs that row alone)."""
+    for name, filename in REAL.items():
+        out = FIXTURES / filename
+        fixture = json.loads(out.read_text(encoding="utf-8"))
+        llm = llama_cpp.Llama(model_path=str(fetch(name)), n_ctx=N_CTX, n_threads=2, logits_all=True,
+                              verbose=False)
+        for case in fixture["greedy"]:
+            new = oracle_greedy(llm, case["prompt_ids"])
+            assert new["ids"] == case["ids"], (name, case["prompt"])
+            case["top"] = new["top"]
+        _write(out, fixture)
+        del llm
+
+
+def _write(out: Path, fixture: dict) -> None:
+    body = json.dumps(fixture, ensure_ascii=False, indent=1)
+    body = re.sub(r"(?<=[\[,])\n\s+(?=-?\d)|(?<=\d)\n\s+(?=\])", "", body)   # number lists on one line
+    out.write_text(body + "\n", encoding="utf-8")
+    print(f"wrote {out} ({out.stat().st_size} bytes)", flush=True)
 
 
 def real_fixtures() -> None:
@@ -119,11 +151,7 @@ def real_fixtures() -> None:
                        for p in PROMPTS],
         }
         print(f"  ppl {fixture['perplexity']['ppl']:.4f}", flush=True)
-        out = FIXTURES / filename
-        body = json.dumps(fixture, ensure_ascii=False, indent=1)
-        body = re.sub(r"(?<=[\[,])\n\s+(?=-?\d)|(?<=\d)\n\s+(?=\])", "", body)   # number lists on one line
-        out.write_text(body + "\n", encoding="utf-8")
-        print(f"wrote {out} ({out.stat().st_size} bytes)", flush=True)
+        _write(FIXTURES / filename, fixture)
         del llm
 
 
@@ -149,6 +177,9 @@ def tiny_fixtures() -> None:
 
 
 if __name__ == "__main__":
+    if "--greedy-top" in sys.argv:
+        greedy_top_logits()
+        sys.exit()
     if "--real-only" not in sys.argv:
         tiny_fixtures()
     if "--tiny-only" not in sys.argv:
