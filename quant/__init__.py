@@ -41,8 +41,9 @@ def matvec(type_id: int, raw, x: np.ndarray, y: np.ndarray) -> None:
         qtype(type_id).matvec(raw, x, y)
 
 
-# Prefill: on AVX512-VNNI CPUs the quantized types go through quant.gemm8 (int8 products,
-# 2-4x float32 BLAS here). Elsewhere, and for the float types: dequantize a tile of rows into
+# Prefill: on AVX512-VNNI CPUs repacked weights go through quant.packed (llama.cpp's float
+# order for the batch), the other quantized types through quant.gemm8 (int8 products, 2-4x
+# float32 BLAS here). Elsewhere, and for the float types: dequantize a tile of rows into
 # a reused buffer that stays in cache, then let BLAS multiply it with all activation vectors
 # at once, the activations first rounded as llama.cpp's integer kernels round them
 # (act_roundtrip). See BENCHMARKS.md for the rates.

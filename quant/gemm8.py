@@ -1,4 +1,6 @@
-"""Prefill on AVX512-VNNI: an int8 GEMM over weight panels unpacked on the fly.
+"""Prefill on AVX512-VNNI: an int8 GEMM over weight panels unpacked on the fly, for the
+quantized types that quant.packed does not repack (whose kernels follow llama.cpp's float
+order; this GEMM sums in its own).
 
 Every block format here is, per sub-block of S values (32, or 16 for Q2_K/Q3_K/Q6_K), an
 unsigned byte u per weight with a float scale s and offset o: w = s*u + o (Q4_K: s = d*sc,

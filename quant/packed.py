@@ -1,15 +1,18 @@
-"""Q4_0, Q5_0, Q8_0, Q4_K and Q6_K weights repacked at load for AVX512-VNNI decode.
+"""Q4_0, Q5_0, Q8_0, Q4_K and Q6_K weights repacked at load for AVX512-VNNI kernels.
 
 In the file each row is a run of blocks, so a kernel that walks rows must unpack and scale
 each block on its own (Q4_0/Q5_0 25-28 GB/s here, compute-bound). Repacked, 16 rows share
 each block's bytes the way quant.gemm8's panels do: byte 4i + j of a 64-byte chunk belongs
 to row i, so one vpdpbusd with 4 broadcast activation bytes advances 16 rows, and the 16
 scales of a block are one vector. Measured (Kernels in BENCHMARKS.md): Q4_0 147 GB/s in L3,
-86 on a DRAM-sized matrix, against 27-28 for the row kernel. The kernels take 1 or 4 tokens:
-a few tokens at once (speculative verification) read and unpack each group once, and every
-token's lanes go through decode's operations, so each gets decode's bits (tests; this is why
-_matmul is not fastmath). They sum the same integers as the row kernels; the float steps
-may round differently from those (LLVM reorders the fastmath row kernels).
+86 on a DRAM-sized matrix, against 27-28 for the row kernel. The kernels take 1, 4 or 8
+tokens, reading and unpacking each group once for them.
+
+They sum the same integers as the row kernels, and add them into float32 in the order of
+the kernel llama.cpp runs for the type and batch size (tests/llama_orders.py; the README
+lists them), so that the results are llama.cpp's bit for bit: a batch takes its batch
+kernels' order (batch_tokens), decode and speculative checks (batch=False) its one-token
+kernels' order for every token. Hence _matmul is not fastmath: LLVM would reorder.
 
 Per group of 16 rows and block b:
   Q4_0 (288): 4 chunks of nibble bytes: chunk c byte 4i+j = row i's byte 4c+j, whose low
@@ -24,8 +27,8 @@ Per group of 16 rows and block b:
   Q6_K (3360): 32 ql chunks (chunk m byte 4i+j = row i's ql byte 4m+j), 16 qh chunks
               (likewise qh), the 16 int8 scales as bytes [j][row], 16 f16 d (the file's size).
 The unsigned values carry an offset (8, 16, 128; Q6_K 32 per 16 values) that comes off
-through the sums of the activations: sum (u - off) x = sum u x - off * sum x. The K-quants
-compute per block and row what kquants' row kernels do (_k4_term, _k6_term).
+through the sums of the activations: sum (u - off) x = sum u x - off * sum x (per 4
+values where llama.cpp's lanes are 4 values wide).
 
 A copy: the file's pages of a repacked tensor are released (GGUFFile.release), so resident
 memory stays the size of the weights (1.5b: peak RSS within the test's file + KV + 300 MB).
