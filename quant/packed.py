@@ -284,6 +284,21 @@ def _rows16(kind, n_tok, batch=False):
                         a = acc[t][lane]
                         builder.store(builder.call(fma, [dd, builder.sitofp(v, V16F), builder.load(a)]), a)
 
+            def q6_values(o, h, ch):
+                """Chunk ch of half h of the Q6_K block at o: for each of the half's four
+                32-value runs s_, the values q (0..63) as unsigned bytes, (s_, q). Low 4 bits
+                from the ql chunks (k = 0, 1: nibbles of runs k and k + 2), high 2 from the qh
+                chunk (bits 2s_, 2s_ + 1)."""
+                hb = load(builder.add(o, c(64 * (32 + 8 * h + ch))), V64B)
+                out = []
+                for k in range(2):
+                    ql = load(builder.add(o, c(64 * (16 * h + 8 * k + ch))), V64B)
+                    for s_, nib in ((k, builder.and_(ql, low4)), (k + 2, builder.lshr(ql, ir.Constant(V64B, [4] * 64)))):
+                        sh = 4 - 2 * s_
+                        top = (builder.shl if sh > 0 else builder.lshr)(hb, ir.Constant(V64B, [abs(sh)] * 64))
+                        out.append((s_, builder.or_(nib, builder.and_(top, top2))))
+                return out
+
             def q6_lane(b, o, ch):
                 """llama.cpp's lanes for Q6_K (vec_dot_q6_K_q8_K): lane ch sums, over the eight
                 runs of 32 values of block b (at o), scale * (q . x) of values 4ch..4ch+3 of
@@ -293,18 +308,11 @@ def _rows16(kind, n_tok, batch=False):
                 scale = lambda j: builder.sext(load(builder.add(o, c(3072 + 16 * j)), ir.VectorType(I8, 16)), V16I)
                 lane = [zero] * n_tok
                 for h in range(2):
-                    hb = load(builder.add(o, c(64 * (32 + 8 * h + ch))), V64B)
-                    for k in range(2):
-                        ql = load(builder.add(o, c(64 * (16 * h + 8 * k + ch))), V64B)
-                        for s_, nib in ((k, builder.and_(ql, low4)), (k + 2, builder.lshr(ql, ir.Constant(V64B, [4] * 64)))):
-                            # the value q (0..63): bits 2s_, 2s_ + 1 of hb on top of the nibble
-                            sh = 4 - 2 * s_
-                            top = (builder.shl if sh > 0 else builder.lshr)(hb, ir.Constant(V64B, [abs(sh)] * 64))
-                            w = builder.or_(nib, builder.and_(top, top2))
-                            sc = scale(8 * h + 2 * s_ + ch // 4)
-                            for t in range(n_tok):
-                                xo = builder.add(x0, c(128 * h + 32 * s_ + 4 * ch))
-                                lane[t] = builder.add(lane[t], builder.mul(builder.call(dpbusd, [zero, w, xword(t, xo)]), sc))
+                    for s_, w in q6_values(o, h, ch):
+                        sc = scale(8 * h + 2 * s_ + ch // 4)
+                        for t in range(n_tok):
+                            xo = builder.add(x0, c(128 * h + 32 * s_ + 4 * ch))
+                            lane[t] = builder.add(lane[t], builder.mul(builder.call(dpbusd, [zero, w, xword(t, xo)]), sc))
                 d = halves16(builder.add(o, c(3328)))
                 sa, sb = scale(2 * ch), scale(2 * ch + 1)
                 for t in range(n_tok):      # isum: 32 times the sums per 16
@@ -343,16 +351,10 @@ def _rows16(kind, n_tok, batch=False):
                         for half in range(2):
                             dots = [[zero] * n_tok for _ in range(4)]
                             for ch in range(4 * half, 4 * half + 4):
-                                hb = load(builder.add(o, c(64 * (32 + 8 * h + ch))), V64B)
-                                for k in range(2):
-                                    ql = load(builder.add(o, c(64 * (16 * h + 8 * k + ch))), V64B)
-                                    for s_, nib in ((k, builder.and_(ql, low4)), (k + 2, builder.lshr(ql, ir.Constant(V64B, [4] * 64)))):
-                                        sh = 4 - 2 * s_
-                                        top = (builder.shl if sh > 0 else builder.lshr)(hb, ir.Constant(V64B, [abs(sh)] * 64))
-                                        w = builder.or_(nib, builder.and_(top, top2))
-                                        for t in range(n_tok):
-                                            xo = builder.add(x0, c(128 * h + 32 * s_ + 4 * ch))
-                                            dots[s_][t] = builder.call(dpbusd, [dots[s_][t], w, xword(t, xo)])
+                                for s_, w in q6_values(o, h, ch):
+                                    for t in range(n_tok):
+                                        xo = builder.add(x0, c(128 * h + 32 * s_ + 4 * ch))
+                                        dots[s_][t] = builder.call(dpbusd, [dots[s_][t], w, xword(t, xo)])
                             for s_ in range(4):
                                 j = 8 * h + 2 * s_ + half          # the 16 values' scale and sum
                                 sc = builder.sext(load(builder.add(o, c(3072 + 16 * j)), ir.VectorType(I8, 16)), V16I)
