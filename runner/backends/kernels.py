@@ -175,8 +175,9 @@ def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch, 
     lane as it was). head_dim a multiple of 64 (16 in a batch): llama.cpp's kernels on other
     sizes are not followed exactly (their tails add in float64).
 
-    A work item is one query and kv head: each row of k and v, read once, serves all the
-    query heads of the group (the cache is read from L2 once per group, not per head)."""
+    A work item is one query, one kv head and its group's query heads (a share of them when
+    there are fewer such items than threads): each row of k and v, read once, serves all of
+    those heads (the cache is read from L2 once per group, not per head)."""
     n_tok, n_head, d = q.shape
     n_kv, cap, stride = k.shape[0], v.shape[1], k.shape[2]      # slots; k's row length (>= cap)
     group = n_head // n_kv
