@@ -3,6 +3,10 @@
 ``Sampler.dist`` turns logits into the full probability vector that will be sampled from
 (zeros where filtered out): speculative decoding needs exactly that distribution for both
 models. Temperature 0 is greedy: a one-hot vector on the argmax.
+
+With a ``constraint`` (runner/constrain.py) the logits are masked first (disallowed ids at
+-inf), so penalties, top-k/p, min-p and temperature act on the allowed tokens only, and
+``next`` advances the constraint with the token it picks. Without one, nothing changes.
 """
 from __future__ import annotations
 
@@ -53,10 +57,12 @@ def apply_penalties(logits: np.ndarray, history, cfg: SamplerConfig) -> np.ndarr
 
 
 class Sampler:
-    def __init__(self, cfg: SamplerConfig):
+    def __init__(self, cfg: SamplerConfig, constraint=None):
         cfg.check()
         self.cfg = cfg
         self.rng = np.random.default_rng(cfg.seed)
+        # runner.constrain.Constraint or None; set a fresh one per sequence (chat: per turn)
+        self.constraint = constraint
 
     @property
     def greedy(self) -> bool:
@@ -64,6 +70,11 @@ class Sampler:
 
     def dist(self, logits: np.ndarray, history=()) -> np.ndarray:
         """The probability vector (vocab,) that the next token is drawn from."""
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
+        return self._dist(logits, history)
+
+    def _dist(self, logits: np.ndarray, history=()) -> np.ndarray:
         c = self.cfg
         logits = apply_penalties(np.asarray(logits, np.float32), history, c)
         p = np.zeros(logits.shape[0], np.float64)
@@ -90,7 +101,16 @@ class Sampler:
 
     def next(self, logits: np.ndarray, history=()) -> int:
         """sample(dist(logits, history)); at temperature 0 the argmax, without building the
-        one-hot vector (three passes over 152k floats a token otherwise)."""
+        one-hot vector (three passes over 152k floats a token otherwise). A constraint is
+        masked once and advanced with the pick."""
+        if self.constraint is not None:
+            masked = self.constraint.mask(logits)
+            if self.greedy:
+                t = int(np.argmax(apply_penalties(masked, history, self.cfg)))
+            else:
+                t = self.sample(self._dist(masked, history))
+            self.constraint.advance(t)
+            return t
         if self.greedy:
             return int(np.argmax(apply_penalties(np.asarray(logits, np.float32), history, self.cfg)))
         return self.sample(self.dist(logits, history))
