@@ -50,10 +50,26 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{f.path}: architecture '{arch}' is not supported (numbat runs {', '.join(ARCHITECTURES)})")
 
-    def get(key, default=None, required=False):
-        v = f.metadata.get(f"{arch}.{key}", default)
-        if required and (not isinstance(v, int) or v <= 0):
-            raise GGUFError(f"{f.path}: metadata key {arch}.{key} is missing or not a positive integer")
+    # Metadata is untrusted: every value is type-checked here, so a string or an array where a
+    # number belongs is a GGUFError naming the key, not a TypeError later. Ranges and agreement
+    # with the tensors are checked by gguf_io.validate.
+    def get(key, default=None, required=False, kind=int):
+        full = f"{arch}.{key}"
+        v = f.metadata.get(full)
+        if v is None:
+            if required:
+                raise GGUFError(f"{f.path}: metadata key {full} is missing or not a positive integer")
+            return default
+        if kind is int:
+            ok = isinstance(v, int) and not isinstance(v, bool) and (v > 0 if required else v >= 0)
+            want = "a positive integer" if required else "a non-negative integer"
+        elif kind is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            want = "a finite number"
+        else:
+            ok, want = isinstance(v, str), "a string"
+        if not ok:
+            raise GGUFError(f"{f.path}: metadata key {full} is {_show(v)}, expected {want}")
         return v
 
     n_embd, n_head = get("embedding_length", required=True), get("attention.head_count", required=True)
@@ -63,14 +79,15 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
     if emb is None:
         raise GGUFError(f"{f.path}: tensor token_embd.weight is missing")
     n_vocab = emb.dims[1] if len(emb.dims) > 1 else len(tokens or ())
-    scaling = get("rope.scaling.type", "none")
+    scaling = get("rope.scaling.type", "none", kind=str)
     common = dict(
         arch=arch, n_embd=n_embd, n_layer=get("block_count", required=True), n_head=n_head,
         n_head_kv=get("attention.head_count_kv") or n_head, head_dim=head_dim,
         n_ff=get("feed_forward_length", required=True), n_vocab=n_vocab,
-        n_ctx_train=get("context_length", 2048), norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_base=float(get("rope.freq_base", 10000.0)), rope_dim=get("rope.dimension_count") or head_dim,
-        rope_scaling=scaling, rope_scale=float(get("rope.scaling.factor", 1.0) or 1.0) if scaling == "linear" else 1.0,
+        n_ctx_train=get("context_length", 2048), norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5, kind=float)),
+        rope_base=float(get("rope.freq_base", 10000.0, kind=float)), rope_dim=get("rope.dimension_count") or head_dim,
+        rope_scaling=scaling,
+        rope_scale=float(get("rope.scaling.factor", 1.0, kind=float) or 1.0) if scaling == "linear" else 1.0,
         tied_output="output.weight" not in f.tensors,
         qkv_bias="blk.0.attn_q.bias" in f.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
@@ -82,5 +99,13 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
     # gemma3: llama.cpp's converter stores RMSNorm weights already as (1 + w), so no +1 here;
     # the oracle tests check it. Every 6th layer is global; the others use a 10k-base rope.
     return ModelConfig(**common, rope_neox=True, rope_base_local=10000.0,
-                       sliding_window=get("attention.sliding_window", 0) or 0, swa_period=6,
+                       sliding_window=get("attention.sliding_window", 0), swa_period=6,
                        post_norms=True, embed_scale=math.sqrt(n_embd), act="gelu_tanh", scale_q=True)
+
+
+def _show(v) -> str:
+    """A metadata value for an error message, cut short (arrays can hold 200k strings)."""
+    if isinstance(v, (list, tuple)) or hasattr(v, "shape"):
+        return f"an array of {len(v)}"
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."

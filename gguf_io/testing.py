@@ -5,6 +5,8 @@ tokenizer, so llama.cpp (the oracle) loads and runs them like a real model.
 """
 from __future__ import annotations
 
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -123,3 +125,62 @@ def write_tiny_model(path: str | Path, arch: str = "llama", *, n_embd: int = 64,
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# ---- editing a written file in place (regression tests and the fuzzer) ----
+
+@dataclass(frozen=True)
+class Field:
+    """Where a metadata value or a tensor-info field sits in a file's header."""
+    vtype: int     # GGUF metadata value type (scalar types only are patchable)
+    start: int
+    end: int
+
+
+def header_fields(path: str | Path) -> tuple[dict[str, Field], dict[str, Field], dict[str, Field]]:
+    """(metadata values, tensor dims, tensor types) of a valid file, by key / tensor name:
+    byte ranges that a test can overwrite with a value of the same size."""
+    from gguf_io.reader import _Cursor
+
+    data = Path(path).read_bytes()
+    c = _Cursor(memoryview(data), Path(path))
+    c.pos = 8
+    n_tensors, n_kv = c.scalar("Q", "tensor count"), c.scalar("Q", "metadata count")
+    kv, dims, types = {}, {}, {}
+    for _ in range(n_kv):
+        key = c.string("key")
+        vtype = c.scalar("I", "type")
+        start = c.pos
+        c.value(vtype, key)
+        kv[key] = Field(vtype, start, c.pos)
+    for _ in range(n_tensors):
+        name = c.string("name")
+        n_dims = c.scalar("I", "dims")
+        dims[name] = Field(10, c.pos, c.pos + 8 * n_dims)
+        c.pos += 8 * n_dims
+        types[name] = Field(4, c.pos, c.pos + 4)
+        c.pos += 4 + 8
+    return kv, dims, types
+
+
+_CODES = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def set_metadata(path: str | Path, key: str, value) -> None:
+    """Overwrite the scalar metadata value `key` in place, keeping its type (so the header
+    keeps its length): e.g. a head count the tensors do not match."""
+    fld = header_fields(path)[0][key]
+    _patch(path, fld.start, struct.pack("<" + _CODES[fld.vtype], value))
+
+
+def set_dims(path: str | Path, name: str, dims: tuple[int, ...]) -> None:
+    """Overwrite tensor `name`'s dims in place (same number of dims)."""
+    fld = header_fields(path)[1][name]
+    assert (fld.end - fld.start) // 8 == len(dims)
+    _patch(path, fld.start, struct.pack(f"<{len(dims)}Q", *dims))
+
+
+def _patch(path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)

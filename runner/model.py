@@ -9,6 +9,7 @@ from pathlib import Path
 import quant  # first: it sets the OpenMP wait policy before numba starts its threads
 from gguf_io import GGUFError, GGUFFile, open_gguf
 from gguf_io.config import ModelConfig, config_from_gguf
+from gguf_io.validate import validate
 from models import catalog
 from runner.chat_template import ChatTemplate
 from runner.tokenizer import Tokenizer
@@ -59,6 +60,7 @@ def load(model: str, progress: catalog.Progress | None = None, threads: int | No
     try:
         f = open_gguf(path)
         cfg = config_from_gguf(f)
+        validate(f, cfg)    # the file is untrusted: its shapes are proven before any kernel runs
     except GGUFError as e:
         raise ModelError(str(e)) from None
     try:

@@ -82,6 +82,7 @@ class NumbaCPU:
     name = "numba-cpu"
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig, chunk: int = 512):
+        from gguf_io.validate import validate; validate(f, cfg)  # noqa: E702  untrusted file: shapes proven before any kernel runs
         self.cfg, self.chunk = cfg, chunk
         for t in f.tensors.values():
             quant.qtype(t.type_id)   # unsupported types fail at load, with the type named
