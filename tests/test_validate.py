@@ -194,3 +194,24 @@ def test_cli_prompt_on_a_hostile_file_is_one_line(tmp_path, key, value, needle):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith("error: ") and needle in lines[0] and str(p) in lines[0], lines[0]
+
+
+# ---- the fuzz corpus (tests/fuzz.py): mutated tiny models through load and a forward ----
+
+FUZZ_FILES = 3000
+
+
+def test_fuzz_corpus_has_no_crash_hang_or_foreign_exception(capsys):
+    """Every mutated file either runs or is refused with numbat's own error; a worker
+    subprocess takes file after file (timeouts, restarted when it dies). Counts are printed
+    to the terminal; `python -m tests.fuzz N` is the longer run."""
+    from tests import fuzz
+    lines = []
+    counts, failures = fuzz.run(FUZZ_FILES, seed=0, report=lines.append)
+    with capsys.disabled():
+        print(f"\nfuzz: {FUZZ_FILES} files, seed 0: {counts['ok']} ran, {counts['refused']} refused, "
+              f"{counts['foreign']} foreign, {counts['crash']} crashes, {counts['hang']} hangs, {counts['seconds']} s")
+    assert failures == [], "\n".join(lines)
+    assert counts["ok"] + counts["refused"] == FUZZ_FILES
+    # the corpus reaches the kernels: some mutations keep a file valid and it runs
+    assert counts["ok"] >= FUZZ_FILES // 20 and counts["refused"] >= FUZZ_FILES // 2
