@@ -20,12 +20,18 @@ that without assuming anything about what the template does with the text:
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import re
+import sys
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 import jinja2
+from jinja2.compiler import CodeGenerator
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -70,10 +76,113 @@ CHATML_TEMPLATE = """{%- for message in messages -%}
 _END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|eom_id|>", "<|endoftext|>")
 
 
+# A template comes with the model file and is as untrusted as the file. Besides the attribute
+# sandbox, rendering is bounded: MAX_CHARS of output (a prompt that long is past any context
+# numbat runs) and MAX_SECONDS of time. Every operation that can make a large value from small
+# ones is checked before it runs (a 10 GB string is allocated by one `*`, before any output
+# could be measured): * + % ** and ~, calls and filters with huge counts, join, replace,
+# expandtabs, format widths. Time is checked by a trace function on every template line and
+# Python call while rendering.
+MAX_CHARS = 1 << 22
+MAX_SECONDS = 1.0
+_WIDE_FORMAT = re.compile(r"%[^a-zA-Z%]*?(\*|\d{7,})|\{[^{}]*:[^{}]*?\d{7,}")
+
+
+def _too_big(n: int, what: str):
+    if n > MAX_CHARS:
+        raise TemplateError(f"chat template {what} would make {n} characters or items (at most {MAX_CHARS})")
+
+
+def _length(v) -> int:
+    return len(v) if isinstance(v, (str, list, tuple, dict)) else 0
+
+
+def _check_call(fn, args, kwargs):
+    """Before a method or filter runs: no count past MAX_CHARS, and the few that multiply
+    their input (join, replace, expandtabs, indent, format) checked for their result."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_CHARS:
+            _too_big(abs(a), f"call of {getattr(fn, '__name__', 'a function')}")
+    name, owner = getattr(fn, "__name__", ""), getattr(fn, "__self__", None)
+    if isinstance(owner, str):   # a bound str method: the string is its first input
+        args = (owner, *args)
+    if not args:
+        return
+    s = args[0]
+    if name in ("join", "do_join") and isinstance(owner, str):
+        seq = args[1] if len(args) > 1 else ()
+        if isinstance(seq, (list, tuple)):
+            _too_big(sum(len(str(x)) for x in seq) + len(s) * len(seq), "join")
+    elif name == "do_join" and len(args) > 1 and isinstance(args[1], (list, tuple)):
+        sep = str(args[2]) if len(args) > 2 else str(kwargs.get("d", ""))
+        _too_big(sum(len(str(x)) for x in args[1]) + len(sep) * len(args[1]), "join")
+    elif name in ("replace", "do_replace") and isinstance(s, str) and len(args) > 2:
+        if name == "do_replace":
+            s, args = args[1], args[1:]
+        old, new = str(args[1]), str(args[2])
+        _too_big(len(s) + (s.count(old) if old else len(s) + 1) * len(new), "replace")
+    elif name == "expandtabs" and isinstance(s, str):
+        width = args[1] if len(args) > 1 else kwargs.get("tabsize", 8)
+        _too_big(len(s) + s.count("\t") * max(int(width), 0), "expandtabs")
+    elif name == "do_indent" and isinstance(s, str):
+        width = args[1] if len(args) > 1 else kwargs.get("width", 4)
+        _too_big(len(s) + (s.count("\n") + 1) * (width if isinstance(width, int) else len(str(width))), "indent")
+    elif name in ("format", "format_map", "do_format") and isinstance(s, str) and _WIDE_FORMAT.search(s):
+        raise TemplateError("chat template format width is too large")
+
+
+def _guarded(fn):
+    @functools.wraps(fn)   # keeps jinja's pass_context / pass_eval_context marks
+    def guarded(*args, **kwargs):
+        _check_call(fn, args, kwargs)
+        out = fn(*args, **kwargs)
+        _too_big(_length(out), f"filter {fn.__name__}")
+        return out
+    return guarded
+
+
+class _CheckedConcat(CodeGenerator):
+    """`a ~ b` compiles to a join jinja does not route through the sandbox: route it."""
+    def visit_Concat(self, node, frame):
+        self.write("environment.checked_concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset(["*", "+", "%", "**"])
+    code_generator_class = _CheckedConcat
+
     # Jinja's sandbox turns an unsafe attribute into a silent Undefined; fail loudly instead.
     def unsafe_undefined(self, obj: Any, attribute: str):
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+    def call_binop(self, context, operator: str, left, right):
+        ints = isinstance(left, int) and isinstance(right, int)
+        if operator == "**" and ints and right > 0 and abs(left) > 1:
+            _too_big(left.bit_length() * right // 16, "power")    # digits-ish: 2**(16 * MAX_CHARS) refused
+        elif operator == "*" and not ints:
+            seq, n = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(n, int) and isinstance(seq, (str, list, tuple)):
+                _too_big(len(seq) * n, "repetition")
+        elif operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+            _too_big(len(left) + len(right), "concatenation")
+        elif operator == "%" and isinstance(left, str) and _WIDE_FORMAT.search(left):
+            raise TemplateError("chat template format width is too large")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
+        _check_call(__obj, args, kwargs)
+        out = super().call(__context, __obj, *args, **kwargs)
+        _too_big(_length(out), f"call of {getattr(__obj, '__name__', 'a function')}")
+        return out
+
+    def checked_concat(self, values) -> str:
+        parts = [str(v) for v in values]
+        _too_big(sum(map(len, parts)), "concatenation (~)")
+        return "".join(parts)
 
 
 def _raise_exception(message: str):
@@ -89,6 +198,7 @@ def _environment() -> jinja2.Environment:
     # The options Hugging Face's apply_chat_template uses.
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
+    env.filters = {name: _guarded(fn) for name, fn in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
@@ -131,18 +241,27 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
                tools: Sequence[Mapping] | None = None, **extra) -> str:
+        """The prompt text; at most MAX_CHARS, in at most MAX_SECONDS, else TemplateError."""
         try:
-            return self._template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
-                bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+            with _deadline(MAX_SECONDS):
+                out, n = [], 0
+                for chunk in self._template.generate(
+                        messages=list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
+                        bos_token=self.bos_token, eos_token=self.eos_token, **extra):
+                    n += len(chunk)
+                    _too_big(n, "output")
+                    out.append(chunk)
+                return "".join(out)
         except TemplateError:
             raise
         except SecurityError as e:
             raise TemplateError(f"unsafe chat template: {e}") from None
         except jinja2.TemplateError as e:
             raise TemplateError(f"invalid chat template: {e}") from None
+        except RecursionError:
+            raise TemplateError("chat template recursed too deeply") from None
         except Exception as e:   # e.g. a TypeError from an operation on the wrong type
-            raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
+            raise TemplateError(f"chat template failed: {type(e).__name__}: {str(e)[:200]}") from None
 
     def encode(self, tokenizer: Tokenizer, messages: Sequence[Mapping], add_generation_prompt: bool = True,
                tools: Sequence[Mapping] | None = None, **extra) -> list[int]:
@@ -203,3 +322,22 @@ def _unused_chars(n: int, texts: Sequence[str]) -> list[str]:
             out.append(chr(cp))
         cp -= 1
     return out
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """Raise TemplateError in the rendering thread once `seconds` have passed: a trace
+    function sees every Python call and every line of the compiled template (loops too)."""
+    end = time.monotonic() + seconds
+    previous = sys.gettrace()
+
+    def tracer(frame, event, arg):
+        if time.monotonic() > end:
+            raise TemplateError(f"chat template took more than {seconds:g} s to render")
+        return tracer if event == "call" and frame.f_code.co_filename == "<template>" else None
+
+    sys.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)

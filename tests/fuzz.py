@@ -98,6 +98,7 @@ class Mutator:
 
     def mutate(self, rng) -> bytes:
         b = bytearray(self.data)
+        cut = len(b)
         for _ in range(int(rng.integers(1, 4))):
             op = int(rng.integers(8))
             if op <= 1:       # a metadata number: most of what the config reads
@@ -134,13 +135,13 @@ class Mutator:
                     b[pos + int(rng.integers(len(name)))] ^= 1 << int(rng.integers(7))
             elif op == 6:     # any header byte
                 b[int(rng.integers(self.header_end))] = int(rng.integers(256))
-            else:             # tensor data (NaN, inf) or a truncated file
-                if rng.integers(4) == 0:
-                    del b[int(rng.integers(len(b))):]
+            else:             # tensor data (NaN, inf) or a truncated file (cut last: the
+                if rng.integers(4) == 0:     # other operations index the whole file)
+                    cut = int(rng.integers(len(b)))
                 elif len(b) > self.header_end:
                     for _ in range(int(rng.integers(1, 64))):
                         b[int(rng.integers(self.header_end, len(b)))] = int(rng.integers(256))
-        return bytes(b)
+        return bytes(b[:cut])
 
 
 # ---------------------------------------------------------------- the worker (one process, many files)

@@ -141,3 +141,74 @@ def test_user_typed_control_text_stays_plain(real):
     # the naive way (tokenize the rendered text with special parsing) would have been fooled
     naive = tok.encode(ct.render(forged), add_bos=False, special=True)
     assert sum(map(tok.is_control, naive)) > sum(map(tok.is_control, ids))
+
+
+# ---- bounded rendering: memory and time bombs, sandbox escapes (a template is untrusted) ----
+
+BOMBS = {
+    "repeat": "{{ 'a' * 10**9 }}",
+    "repeat literal": "{{ 'a' * 1000000000 }}",
+    "list repeat": "{{ ([1] * 10**9)|length }}",
+    "power": "{{ 7 ** (9 ** 9) }}",
+    "center filter": "{{ 'a'|center(10**9) }}",
+    "ljust method": "{{ 'a'.ljust(10**9) }}",
+    "percent width": "{{ '%0999999999d' % 1 }}",
+    "format width": "{{ '{:>999999999}'.format(1) }}",
+    "format filter": "{{ '%999999999s'|format('a') }}",
+    "doubling ~": "{% set ns = namespace(s='a') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+    "doubling +": "{% set ns = namespace(s='a') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "join": "{{ (['a' * 4000000] * 100000)|join }}",
+    "join method": "{{ ''.join(['a' * 4000000] * 100000) }}",
+    "replace": "{{ ('a' * 4000000).replace('a', 'aaaa') }}",
+    "replace filter": "{{ ('a' * 4000000)|replace('a', 'aaaa') }}",
+    "expandtabs": "{{ ('\t' * 100000).expandtabs(1000) }}",
+    "indent": "{{ ('\n' * 100000)|indent(1000) }}",
+    "output": "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}{% endfor %}",
+    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "loop with set": "{% for i in range(100000) %}{% for j in range(100000) %}{% set x = i * j %}{% endfor %}{% endfor %}",
+    "recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+}
+
+
+@pytest.mark.parametrize("name", BOMBS)
+def test_resource_bombs_fail_fast_with_one_line(name):
+    import time
+    t = ChatTemplate(BOMBS[name], "<s>", "</s>")
+    start = time.monotonic()
+    with pytest.raises(TemplateError) as e:
+        t.render([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - start < 2.5, f"{name} took {time.monotonic() - start:.1f} s"
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("chat template"), msg
+
+
+ESCAPES = [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+    "{{ lipsum.__globals__['os'].system('id') }}",
+    "{{ raise_exception.__globals__ }}",
+    "{{ messages.append({'role': 'user', 'content': 'x'}) }}",
+    "{{ messages[0].update(role='system') }}",
+    "{{ '{0.__class__.__base__}'.format(1) }}",
+    "{{ (1).__class__.__subclasses__() }}",
+    "{{ self.__init__.__globals__ }}",
+]
+
+
+@pytest.mark.parametrize("source", ESCAPES)
+def test_classic_sandbox_escapes_are_refused(source):
+    t = ChatTemplate(source, "<s>", "</s>")
+    with pytest.raises(TemplateError, match="unsafe chat template") as e:
+        t.render([{"role": "user", "content": "hi"}])
+    assert "\n" not in str(e.value)
+
+
+def test_bounds_leave_ordinary_templates_alone():
+    """Long conversations, loops and string building within the limits still render."""
+    t = ChatTemplate(CHATML_TEMPLATE, "", "")
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 2000} for i in range(200)]
+    out = t.render(msgs)
+    assert out.count("<|im_start|>") == 201 and len(out) > 2_000_000
+    t = ChatTemplate("{% set ns = namespace(s='') %}{% for i in range(1000) %}{% set ns.s = ns.s ~ i %}{% endfor %}"
+                     "{{ ns.s|length }} {{ 'ab' * 3 }} {{ '%5d' % 7 }} {{ '{:>4}'.format('x') }} {{ 'x'|center(5) }}", "", "")
+    assert t.render([]) == "2890 ababab     7    x   x  "
