@@ -90,6 +90,8 @@ def _download_progress():
 
 def _load(model: str | None, threads: int | None = None):
     from runner.model import load
+    if threads is not None and threads < 1:
+        raise UserError(f"-t/--threads must be at least 1, got {threads}")
     name = model or catalog.DEFAULT_MODEL
     if name in catalog.CATALOG and not catalog.is_cached(name):
         err.print(f"pulling {name} (first use)")
@@ -117,6 +119,8 @@ def _warm(m):
 
 def _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed):
     from runner.sampler import Sampler, SamplerConfig
+    if seed is not None and not 0 <= seed < 2**64:
+        raise UserError(f"--seed must be in 0..2^64-1, got {seed}")
     try:
         return Sampler(SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                      repeat_penalty=repeat_penalty, seed=seed))
@@ -167,7 +171,13 @@ def _model_and_text(args: list[str]) -> tuple[str | None, str | None]:
 
 
 def _read_text(text: str) -> str:
-    return sys.stdin.read() if text == "-" else text
+    """The prompt from argv or stdin ('-'). Bytes that are not UTF-8 become U+FFFD, as
+    llama.cpp's tokenizer treats them, instead of failing inside the tokenizer (argv arrives
+    with them as lone surrogates, stdin as a decode error)."""
+    if text == "-":
+        stdin = getattr(sys.stdin, "buffer", None)   # a test's StringIO has no bytes under it
+        return stdin.read().decode("utf-8", errors="replace") if stdin else sys.stdin.read()
+    return text.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace")
 
 
 # ---------------------------------------------------------------- model management

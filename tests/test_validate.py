@@ -215,3 +215,34 @@ def test_fuzz_corpus_has_no_crash_hang_or_foreign_exception(capsys):
     assert counts["ok"] + counts["refused"] == FUZZ_FILES
     # the corpus reaches the kernels: some mutations keep a file valid and it runs
     assert counts["ok"] >= FUZZ_FILES // 20 and counts["refused"] >= FUZZ_FILES // 2
+
+
+# ---- other untrusted input through the CLI: prompt bytes, flags ----
+
+def _cli(tmp_path, *args, input=None):
+    env = {**os.environ, "NUMBAT_HOME": str(tmp_path / "home")}
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=ROOT, env=env, input=input,
+                          capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("cli") / "tiny.gguf", "llama")
+
+
+def test_invalid_utf8_on_stdin_and_argv_is_replaced(tmp_path, tiny_file):
+    """A byte that is not UTF-8 is read as U+FFFD: the same ids as the text with U+FFFD."""
+    want = _cli(tmp_path, "tokenize", str(tiny_file), "-", "--ids", input="a\ufffdb".encode())
+    assert want.returncode == 0 and want.stdout.decode().startswith("[1, "), want.stderr.decode()
+    for args, stdin in (([os.fsencode(str(tiny_file)), b"a\xffb"], None), ([str(tiny_file), "-"], b"a\xffb")):
+        r = _cli(tmp_path, "tokenize", *args, "--ids", input=stdin)
+        assert r.returncode == 0, r.stderr.decode()
+        assert r.stdout == want.stdout
+
+
+@pytest.mark.parametrize("flags, needle", [(["-t", "-1"], "-t/--threads must be at least 1, got -1"),
+                                           (["--seed", "-1"], "--seed must be in 0..2^64-1, got -1")])
+def test_out_of_range_flags_name_the_flag(tmp_path, tiny_file, flags, needle):
+    r = _cli(tmp_path, "prompt", str(tiny_file), "a", "--raw", "-n", "1", *flags)
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 1 and len(err) == 1 and needle in err[0], err
