@@ -58,13 +58,13 @@ def test_quantized_weights_bit_exact(t):
     raw = gq.quantize(x, t).reshape(9, -1)
     w = _check(t, raw, 768, rng)
     if t in LEGACY:   # d, 8d, 16d, 128d and m are all f16 values: half-size scales
-        assert w.scales.dtype == mx.float16 and w.biases.dtype == mx.float16
+        assert w.terms[0].scales.dtype == mx.float16 and w.terms[0].biases.dtype == mx.float16
 
 
 def test_k_quants_keep_float32_scales():
     """d*sc needs up to 19 bits: the K-quants' scales must not be narrowed to float16."""
     rng = np.random.default_rng(3)
-    w = mw.to_mlx(T.Q4_K, random_blocks(T.Q4_K, 4, 2, rng), 512)
+    w = mw.to_mlx(T.Q4_K, random_blocks(T.Q4_K, 4, 2, rng), 512).terms[0]
     assert w.scales.dtype == mx.float32 and w.biases.dtype == mx.float32
 
 
@@ -76,7 +76,7 @@ def test_q4_0_nibble_order():
     j = np.arange(16, dtype=np.uint8)
     block[2:] = j | ((15 - j) << 4)
     w = mw.to_mlx(T.Q4_0, block.reshape(1, 18), 32)
-    words = np.array(w.w)[0]
+    words = np.array(w.terms[0].w)[0]
     assert [hex(v) for v in words] == ["0x76543210", "0xfedcba98", "0x89abcdef", "0x1234567"]
     want = np.concatenate([np.arange(16), 15 - np.arange(16)]) - 8.0
     assert np.array_equal(np.array(mw.dequantize(w))[0], want)
@@ -97,7 +97,7 @@ def test_bf16_not_rounded_to_f16():
     vals = np.array([1e30, 1.0 + 2 ** -7, -3.0e-20, 65504.0 * 4], np.float32)
     raw = (vals.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(1, 8)
     w = mw.to_mlx(T.BF16, raw, 4)
-    assert w.w.dtype == mx.bfloat16
+    assert w.plain.dtype == mx.bfloat16
     assert np.array_equal(np.array(mw.dequantize(w)), _reference(T.BF16, raw, 4))
 
 
@@ -117,7 +117,7 @@ def test_memory_per_weight():
     """The bytes per weight the module docstring states."""
     rng = np.random.default_rng(5)
     want = {T.Q4_0: 0.625, T.Q4_1: 0.625, T.Q5_0: 0.75, T.Q5_1: 0.75, T.Q8_0: 1.125,
-            T.Q4_K: 0.75, T.Q5_K: 0.875, T.Q3_K: 1.03125, T.Q6_K: 2.0, T.Q2_K: 1.03125}
+            T.Q4_K: 0.75, T.Q5_K: 0.875, T.Q3_K: 1.03125, T.Q6_K: 1.6875, T.Q2_K: 1.03125}
     for t, bpw in want.items():
         raw = gq.quantize(rng.standard_normal((4, 256)).astype(np.float32), t).reshape(4, -1) \
             if t in LEGACY else random_blocks(t, 4, 1, rng)
