@@ -217,7 +217,7 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     """codes (rows, n) < 2**bits -> (rows, n*bits/32) uint32 in MLX's layout: one LSB-first
     bit stream per row, read as little-endian words. Packs the fewest codes that fill whole
     bytes (lcm(bits, 8) bits) into the narrowest unsigned int holding them, then keeps
-    those bytes (narrow ints: 3-4x faster than uint64 throughout)."""
+    those bytes: their low bytes come first on little-endian hosts (x86-64, Apple Silicon)."""
     rows, n = codes.shape
     per = math.lcm(bits, 8) // bits
     width = per * bits
