@@ -183,10 +183,20 @@ def _read_text(text: str) -> str:
 # ---------------------------------------------------------------- model management
 
 @app.command()
-def pull(name: Annotated[str, typer.Argument(help="A catalog name, e.g. qwen2.5-coder:0.5b.")]):
+def pull(name: Annotated[str, typer.Argument(help="A catalog name, e.g. qwen2.5-coder:0.5b.")],
+         verify: Annotated[bool, typer.Option("--verify", help="Hash the downloaded file again and say whether it is intact.")] = False):
     """Download a catalog model into NUMBAT_HOME (sha256-checked, never half-written)."""
     if name not in catalog.CATALOG:
         raise UserError(catalog.unknown_name_message(name))
+    if verify:
+        path = catalog.model_path(name)
+        if not path.is_file():
+            raise UserError(f"{name} is not downloaded: run `numbat pull {name}`")
+        if not catalog.verify(name):
+            raise UserError(f"{path} does not match {name}'s size and sha256 (it changed after download): "
+                            f"run `numbat pull {name}` to fetch it again")
+        print(f"{name}: {path} verified (sha256 {catalog.CATALOG[name].sha256})")
+        return
     update, bar = _download_progress()
     try:
         path = catalog.fetch(name, update)

