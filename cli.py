@@ -322,6 +322,41 @@ def perplexity(model: ModelArg = None,
     print(f"PPL = {r.ppl:.4f} +/- {r.error:.5f}")
 
 
+# constrained output (runner/constrain.py): checked before any model loads
+SchemaOpt = Annotated[Optional[str], typer.Option(
+    "--schema", help="Output fits this JSON Schema: a file, or the JSON itself.")]
+JsonObjectOpt = Annotated[bool, typer.Option("--json-object", help="Output is one JSON object.")]
+GrammarOpt = Annotated[Optional[Path], typer.Option(
+    "--grammar", help="Output is in the language of this llama.cpp GBNF grammar file.")]
+RegexOpt = Annotated[Optional[str], typer.Option("--regex", help="Output matches this regular expression (whole).")]
+
+
+def _constraint(schema, json_object, grammar, regex, speculation):
+    """The ConstraintSpec of the flags, or None; one-line errors before the model loads."""
+    from runner.constrain import FLAGS, from_flags
+    try:
+        spec = from_flags(schema, json_object, str(grammar) if grammar is not None else None, regex)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if spec is not None and speculation is not None:
+        # a draft's guesses would have to be checked against the mask one by one: not built
+        raise UserError(f"{FLAGS[spec.kind]} does not combine with speculative decoding (--draft, --lookup)")
+    return spec
+
+
+def _start(spec, sampler, tokenizer):
+    """A fresh matcher for the next reply on the sampler."""
+    try:
+        sampler.constraint = spec.start(tokenizer)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def _incomplete(spec, why: str) -> None:
+    err.print(f"[yellow]the output is incomplete: {why} before the {spec.kind.replace('_', ' ')} was complete[/]",
+              soft_wrap=True)
+
+
 @app.command()
 def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-' reads stdin.", show_default=False)],
            max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Tokens to generate (-1: until end of turn).")] = -1,
@@ -339,7 +374,9 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
            as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
            verbose: Annotated[bool, typer.Option("--verbose", "-v", help="End with a stats line.")] = False,
            draft: DraftOpt = None, draft_max: DraftMaxOpt = None, lookup: LookupOpt = False,
-           lookup_ngram: LookupNgramOpt = None):
+           lookup_ngram: LookupNgramOpt = None,
+           schema: SchemaOpt = None, json_object: JsonObjectOpt = False, grammar: GrammarOpt = None,
+           regex: RegexOpt = None):
     """One reply to TEXT, streamed as it is generated."""
     from runner.generate import ContextError, Done, Notice, Token, generate
     from runner.speculative import speculative_generate
@@ -352,8 +389,11 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
         raise UserError(f"-c/--ctx must be at least 16, got {ctx}")
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
     speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
+    spec = _constraint(schema, json_object, grammar, regex, speculation)
     text = _read_text(text)
     m = _load(model, threads)
+    if spec:
+        _start(spec, sampler, m.tokenizer)
     if raw:
         ids = m.tokenizer.encode((system + "\n" if system else "") + text)
     else:
@@ -378,10 +418,15 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
     except ContextError as e:
         raise UserError(str(e)) from None
     s = done.stats
+    # a stop string or -n can end the reply before the constraint is satisfied
+    incomplete = spec is not None and not sampler.constraint.is_complete()
     if as_json:
-        print(json.dumps({"model": m.name, "text": done.text, "finish_reason": done.finish_reason, **s.as_dict()}))
+        print(json.dumps({"model": m.name, "text": done.text, "finish_reason": done.finish_reason, **s.as_dict(),
+                          **({"incomplete": True} if incomplete else {})}))
     else:
         print()
+    if incomplete:
+        _incomplete(spec, "-n/--max-tokens ran out" if done.finish_reason == "length" else "a --stop string ended it")
     if verbose:
         err.print(f"ttft {s.ttft_s * 1000:.0f} ms | prompt {s.prompt_tokens} tok, {s.prompt_tps:.1f} tok/s | "
                   f"generation {s.completion_tokens} tok, {s.gen_tps:.1f} tok/s | {done.finish_reason}"
@@ -405,14 +450,18 @@ def chat(model: ModelArg = None,
          ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context length (default 4096).")] = None,
          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None,
          draft: DraftOpt = None, draft_max: DraftMaxOpt = None, lookup: LookupOpt = False,
-         lookup_ngram: LookupNgramOpt = None):
-    """A multi-turn chat in the terminal. History stays in the KV cache: each turn runs only its new tokens."""
+         lookup_ngram: LookupNgramOpt = None,
+         schema: SchemaOpt = None, json_object: JsonObjectOpt = False, grammar: GrammarOpt = None,
+         regex: RegexOpt = None):
+    """A multi-turn chat in the terminal. History stays in the KV cache: each turn runs only its new tokens.
+    With a constraint, every reply is constrained."""
     from runner.chat import ChatSession
     from runner.generate import ContextError
     if max_tokens < -1:
         raise UserError(f"-n/--max-tokens must be -1 or more, got {max_tokens}")
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
     speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
+    spec = _constraint(schema, json_object, grammar, regex, speculation)
     m = _load(model, threads)
     n_ctx = m.context_length(ctx)
     s = ChatSession(m, sampler, n_ctx, system, speculation(m, n_ctx, threads) if speculation else None)
@@ -452,6 +501,8 @@ def chat(model: ModelArg = None,
         elif cmd.startswith("/"):
             out.print(f"[red]unknown command {cmd}[/]; /help lists them")
         elif line.strip():
+            if spec:
+                _start(spec, sampler, m.tokenizer)   # each reply starts the constraint afresh
             try:
                 for piece, notice in s.reply(line, max_tokens):
                     if notice:
@@ -465,6 +516,8 @@ def chat(model: ModelArg = None,
             except ContextError as e:
                 err.print(f"[red]error:[/] {e}")
             print()
+            if spec and 0 < max_tokens <= sampler.constraint.n_tokens and not sampler.constraint.is_complete():
+                _incomplete(spec, "-n/--max-tokens ran out")
 
 
 @app.command()
@@ -573,6 +626,101 @@ def _bench_speculation(m, n_gen, reps, speculation, threads, add):
             rates[speculate].append(done.stats.gen_tps)
     add(f"tg{n_gen} code", rates[False])
     add(f"tg{n_gen} code, {proposer.name}", rates[True], speculative=done.stats.spec.as_dict())
+
+
+# ---------------------------------------------------------------- batch files
+
+@app.command()
+def batch(args: Annotated[list[str], typer.Argument(help="[MODEL] INPUT.jsonl; INPUT '-' reads stdin.", show_default=False)],
+          output: Annotated[Path, typer.Option("--output", "-o", help="Answers, one JSON line per record (appended; a rerun resumes).")],
+          parallel: Annotated[int, typer.Option("--parallel", "-np", help="Sequences decoded together.")] = 8,
+          max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Tokens per answer (-1: until end of turn).")] = -1,
+          temp: Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy.")] = 0.8,
+          top_k: Annotated[int, typer.Option("--top-k")] = 40,
+          top_p: Annotated[float, typer.Option("--top-p")] = 0.95,
+          min_p: Annotated[float, typer.Option("--min-p")] = 0.05,
+          repeat_penalty: Annotated[float, typer.Option("--repeat-penalty")] = 1.0,
+          seed: Annotated[Optional[int], typer.Option("--seed", help="Run seed: records without their own seed derive one from it and their id.")] = None,
+          system: Annotated[Optional[str], typer.Option("--system", help="System prompt for records without one.")] = None,
+          ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context per record (default 4096).")] = None,
+          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None,
+          metrics: Annotated[Optional[Path], typer.Option("--metrics", help="Write the run's metrics as JSON here.")] = None,
+          shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: only the records whose id hashes to shard I of N (1-based).")] = None,
+          no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache", help="Compute every prompt in full.")] = False,
+          kv_pages: Annotated[Optional[int], typer.Option("--kv-pages", help="KV pool size in pages of 64 tokens (default: (parallel + 1) contexts).")] = None,
+          overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUTPUT instead of resuming it.")] = False):
+    """Answer a JSONL file of requests (OpenAI batch lines or {"id", "prompt"|"messages"}) with continuous batching.
+    Answers are appended as they finish; rerun the same command to resume after a crash or Ctrl-C."""
+    import secrets
+    from runner import batch as B
+    model, path = _model_and_text(args)
+    if path is None:
+        raise UserError("give the INPUT.jsonl file ('-' reads stdin)")
+    if not 1 <= parallel <= 64:
+        raise UserError(f"--parallel must be in 1..64, got {parallel}")
+    if max_tokens < -1:
+        raise UserError(f"-n/--max-tokens must be -1 or more, got {max_tokens}")
+    if ctx is not None and ctx < 16:
+        raise UserError(f"-c/--ctx must be at least 16, got {ctx}")
+    if kv_pages is not None and kv_pages < 1:
+        raise UserError(f"--kv-pages must be at least 1, got {kv_pages}")
+    sh = None
+    if shard is not None:
+        i, _, n = shard.partition("/")
+        if not (i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+            raise UserError(f"--shard must be I/N with 1 <= I <= N, got {shard!r}")
+        sh = (int(i) - 1, int(n))
+    _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)      # the flags' own checks
+    if path != "-" and not Path(path).is_file():
+        raise UserError(f"input file {path} does not exist")
+    if output.is_dir():
+        raise UserError(f"-o {output} is a directory: give a file path")
+    m = _load(model, threads)
+    n_ctx = m.context_length(ctx)
+    defaults = B.Defaults(max_tokens, temp, top_k, top_p, min_p, repeat_penalty, seed, system)
+    meta = {"model": m.name, "model_bytes": m.path.stat().st_size, "defaults": vars(defaults) | {"ctx": n_ctx},
+            "shard": shard, "run_seed": seed if seed is not None else secrets.randbits(31)}
+    out = B.Output(output, meta, overwrite)
+    try:
+        out.open()
+    except B.BatchError as e:
+        raise UserError(str(e)) from None
+    if out.repaired:
+        err.print(f"[yellow]cut a torn last line ({out.repaired} bytes) from {output}: that record runs again[/]")
+    try:
+        from runner.constrain import parse_constraint as constraint
+    except ImportError:
+        constraint = None
+    lines = sys.stdin if path == "-" else open(path, encoding="utf-8", errors="replace")
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    bar = Progress(TextColumn("batch"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+                   TimeRemainingColumn(), console=err, transient=False, disable=not err.is_terminal)
+    task, t0 = None, time.perf_counter()
+
+    def progress(done, total, gen_tokens):
+        nonlocal task
+        if task is None:
+            task = bar.add_task("batch", total=total, rate="")
+        bar.update(task, completed=done, total=total, rate=f"{gen_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s")
+    try:
+        with bar:
+            mt = B.run(m, lines, out, defaults, n_ctx, parallel, sh, not no_prefix_cache, kv_pages, constraint, progress)
+    except KeyboardInterrupt:
+        out.close()
+        err.print(f"interrupted: every finished record is in {output}; run the same command again to resume")
+        sys.exit(130)
+    finally:
+        if lines is not sys.stdin:
+            lines.close()
+    out.close()
+    d = mt.as_dict()
+    if metrics:
+        metrics.write_text(json.dumps(d, indent=1) + "\n", encoding="utf-8")
+    err.print(f"{mt.ok} ok, {mt.failed} failed" + (f", {mt.skipped} answered before" if mt.skipped else "")
+              + f" of {mt.records} records in {d['wall_s']:.1f} s | generation {d['generation_tokens_per_s']:.1f} tok/s"
+              f" | prefix cache {100 * d['prefix_cache_hit_rate']:.0f}% of prompt tokens | {output}", soft_wrap=True)
+    if mt.failed:
+        sys.exit(1)
 
 
 def main():

@@ -30,12 +30,19 @@ from pathlib import Path
 import numpy as np
 
 KINDS = ("schema", "json_object", "grammar", "regex")
+FLAGS = {"schema": "--schema", "json_object": "--json-object", "grammar": "--grammar", "regex": "--regex"}
 
-# JSON whitespace between tokens, as llama.cpp's json-schema-to-grammar bounds it: a small
-# model left with llguidance's default (any run of whitespace) can emit newlines until -n.
-# A run of spaces/tabs, or one or two line breaks and an indent.
-JSON_WHITESPACE = r"[ \t]{0,20}|(\r?\n){1,2}[ \t]{0,40}"
+# JSON whitespace between tokens as llama.cpp's json-schema-to-grammar allows it (nothing,
+# one space, or one or two line breaks and an indent of up to 20): left with llguidance's
+# default (any run of whitespace) a small model emitted 40 tabs in a row here.
+JSON_WHITESPACE = r"( |\n{1,2}[ \t]{0,20})?"
 _JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
+
+# By default llguidance lets only the canonical tokenization of text the grammar forces
+# (a key name, a literal) through the mask. numbat masks by the language alone: any token
+# whose bytes keep the output in the language is allowed, so the model's own choice stands
+# (greedy output that already fits a constraint is unchanged by it).
+_NO_FORCING = '%llguidance {"no_forcing": true}\n'
 
 _SPECIAL = b"\xff"   # llguidance's marker of a special token: never part of a text match
 
@@ -48,7 +55,10 @@ def _one_line(msg: str) -> str:
         return "invalid"
     # regex errors put the message after the echoed source: "regex parse error: / (a / ^ / error: ..."
     why = next((s for s in lines if s.startswith("error:")), None)
-    return f"regex parse error: {why[6:].strip()}" if why else lines[0]
+    if why:
+        return f"regex parse error: {why[6:].strip()}"
+    # the grammar is numbat's Lark wrapper: its line/column and the compiler's name say nothing
+    return re.sub(r"^at \d+\(\d+\): (failed to compile JSON schema: )?", "", lines[0])
 
 
 def _llg():
@@ -81,29 +91,29 @@ def parse_constraint(kind: str, value) -> ConstraintSpec:
     the engine cannot enforce (``uniqueItems``, ``if``/``then``, ``not``, unknown formats)."""
     llg = _llg()
     M = llg.LLMatcher
-    if kind == "schema":
-        schema = _schema_value(value)
+    if kind in ("schema", "json_object"):
+        schema = _schema_value(value) if kind == "schema" else {"type": "object"}
         source = json.dumps(schema, ensure_ascii=False)
-        grammar, what = M.grammar_from_json_schema(source, defaults=_JSON_OPTIONS), "schema"
-    elif kind == "json_object":
-        source = '{"type": "object"}'
-        grammar, what = M.grammar_from_json_schema(source, defaults=_JSON_OPTIONS), "schema"
+        # the user's own "x-guidance" options (llguidance's) win over numbat's whitespace rule
+        options = {**_JSON_OPTIONS, **(schema.get("x-guidance") or {})}
+        body, what = "start: %json " + json.dumps({**schema, "x-guidance": options}), "schema"
     elif kind == "grammar":
         source = _text(value, "grammar")
         from llguidance.gbnf_to_lark import any_to_lark   # llguidance's GBNF -> Lark converter
         try:
-            lark = any_to_lark(source)
+            body = any_to_lark(source)
         except Exception as e:   # its errors are GbnfToLarkError, but any failure is a bad grammar
             raise ValueError(f"invalid grammar: {_one_line(e)}") from None
-        grammar, what = M.grammar_from_lark(lark), "grammar"
+        what = "grammar"
     elif kind == "regex":
         source = _text(value, "regex")
-        grammar, what = M.grammar_from_regex(source), f"regex {_short(source)!r}"
+        body, what = "start: /" + llg.regex_to_lark(source) + "/", f"regex {_short(source)!r}"
     else:
         raise ValueError(f"unknown constraint kind {kind!r}: one of {', '.join(KINDS)}")
+    grammar = M.grammar_from_lark(_NO_FORCING + body)
     problem = M.validate_grammar(grammar)
     if problem:
-        keys = re.match(r"Unimplemented keys: \[(.*)\]", problem)
+        keys = re.search(r"Unimplemented keys: \[(.*)\]", problem)
         if keys:   # llguidance refuses what it cannot enforce rather than ignore it: say so
             raise ValueError(f"the schema uses keywords numbat cannot enforce: {keys.group(1).replace(chr(34), '')}")
         raise ValueError(f"invalid {what}: {_one_line(problem)}")
@@ -153,7 +163,7 @@ def from_flags(schema: str | None = None, json_object: bool = False, grammar: st
     given = [f for f, v in (("--schema", schema), ("--json-object", json_object), ("--grammar", grammar),
                             ("--regex", regex)) if v not in (None, False)]
     if len(given) > 1:
-        raise ValueError(f"give one of {', '.join(given)}, not several")
+        raise ValueError(f"give only one of {', '.join(given)}")
     if schema is not None:
         text = schema
         if not schema.lstrip().startswith("{"):   # not inline JSON: a file
