@@ -246,3 +246,26 @@ def test_out_of_range_flags_name_the_flag(tmp_path, tiny_file, flags, needle):
     r = _cli(tmp_path, "prompt", str(tiny_file), "a", "--raw", "-n", "1", *flags)
     err = r.stderr.decode().strip().splitlines()
     assert r.returncode == 1 and len(err) == 1 and needle in err[0], err
+
+
+# ---- what validation cannot see: values, not shapes ----
+
+@pytest.mark.xfail(strict=True, raises=ZeroDivisionError,
+                   reason="quant/act.py quantize_q8_K computes 1 / (-127 / amax): an inf activation makes it "
+                          "1 / -0, which numba's python error model raises (found by tests/fuzz.py, seed 2, "
+                          "file 8264); reported: quant/ is not this module's to change")
+def test_overflowing_activations_do_not_raise(tmp_path):
+    """Norm weights of 3e38 (valid shapes, legal floats) overflow the activations to inf;
+    llama.cpp then gives inf/NaN logits, and so should numbat, not a ZeroDivisionError."""
+    import numpy as np
+
+    from gguf_io.testing import _patch
+    from runner.model import load
+    from tests import fuzz
+    p = fuzz.write_bases(tmp_path)[5]       # qwen2, Q6_K matrices (the K-quant activation path)
+    t = open_gguf(p).tensors["blk.0.attn_norm.weight"]
+    _patch(p, t.offset, np.full(t.nbytes // 4, 3e38, np.float32).tobytes())
+    m = load(str(p))
+    cache = m.make_cache(32)
+    m.backend.forward([1, 300], cache)
+    m.backend.forward([5], cache)

@@ -1,0 +1,40 @@
+"""Kernel paths the default run skips on an AVX512-VNNI host, against llama.cpp's logits on
+the tiny models (tests/test_tiny_models.py's fixtures and tolerances):
+- NUMBAT_REPACK=0: the file-layout kernels (matvec per row for decode, gemm8 for batches);
+- the tile + BLAS prefill (dequantize a tile, numpy matmul), which on a VNNI host only the
+  types gemm8 lacks reach: forced here for the common types by turning gemm8 off.
+They sum in their own orders, not llama.cpp's, so they are held to the rounding-noise
+tolerances, as on CPUs without AVX-512."""
+import numpy as np
+import pytest
+
+import quant
+from test_tiny_models import FIXTURES, build, check, cases
+
+CASES = [(a, t) for a, t in cases() if t in ("Q8_0", "Q4_0", "F16")]
+
+
+@pytest.fixture(scope="module")
+def fixture_data():
+    out = {}
+    for arch in {a for a, _ in CASES}:
+        with np.load(FIXTURES / f"model_tiny_{arch}.npz") as z:
+            out[arch] = {k: z[k] for k in z.files}
+    return out
+
+
+@pytest.mark.parametrize("path", ["file layout", "tile+BLAS"])
+@pytest.mark.parametrize("arch,wtype", CASES)
+def test_unpacked_paths_match_llama_cpp(tmp_path, monkeypatch, fixture_data, arch, wtype, path):
+    monkeypatch.setenv("NUMBAT_REPACK", "0")
+    if path == "tile+BLAS":
+        monkeypatch.setattr(quant.gemm8, "supports", lambda type_id: False)
+    fx = fixture_data[arch]
+    m = build(tmp_path, fx, wtype)
+    layer = m.backend.layers[0]
+    assert not isinstance(layer.wq.raw, quant.packed.Packed) and layer.qkv is None   # the file's layout
+    ours = m.backend.forward(fx["ids"].tolist(), m.backend.make_cache(64), logits="all")
+    check(ours, fx[wtype], f"{arch} {wtype} batch, {path}")
+    cache = m.backend.make_cache(64)
+    ours = np.concatenate([m.backend.forward([t], cache, logits="last").copy() for t in fx["ids"].tolist()])
+    check(ours, fx[wtype], f"{arch} {wtype} token-by-token, {path}")
