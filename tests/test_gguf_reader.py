@@ -420,4 +420,6 @@ def test_real_model_opens_mapped(name):
                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=True).stdout
     probe = json.loads(out)
     assert probe["grew"] < 50 << 20, f"opening grew RSS by {probe['grew'] >> 20} MB"
-    assert probe["median"] < 0.2, f"median open time {probe['median']:.3f} s"
+    # ~0.1 s on an idle machine, 0.2-0.3 s with this 2-core machine loaded 3x; gguf.GGUFReader
+    # (a Python object per vocabulary element) takes seconds: the bound tells them apart
+    assert probe["median"] < 1.0, f"median open time {probe['median']:.3f} s"
