@@ -259,7 +259,8 @@ def run(n: int, seed: int = 0, boundscheck: bool = False, keep: Path | None = No
                     keep.mkdir(parents=True, exist_ok=True)
                     shutil.copy(path, keep / f"fuzz-{seed}-{i}.gguf")
                 report(f"file {i} (base {k}): {json.dumps(r)}")
-                if r["status"] != "foreign":
+                if r["status"] != "foreign":   # the worker died or was killed: a new one
+                    w.stop()
                     w = Worker(env, work / "worker.log")
             if (i + 1) % 1000 == 0:
                 report(f"{i + 1}/{n} files, {time.perf_counter() - t0:.0f} s: {dict(counts)}")
