@@ -155,17 +155,19 @@ def scores16(d: int, lanes: int):
 
 
 @intrinsic
-def pv16(typingctx, v, vo, vrow, n, w, wo, lanes, out, oo, ostride):
-    """Weights w[wo + s] times 16 columns v[vo + s*vrow : +16] for the slots s < n (n a
-    multiple of 16), summed in lanes (16 or 64) fma chains, lane s % lanes, slots in order:
-    16 lanes at a time kept in registers, reading the rows in order. Lane l's sums go to
-    out[oo + l*ostride : +16]."""
+def pv16(typingctx, v, vo, vrow, n, w, wo, lanes, out, oo, ostride, table):
+    """Weights w[wo + s] times 16 columns of slot s's row of v, for the logical slots s < n (n
+    a multiple of 16), summed in lanes (16 or 64) fma chains, lane s % lanes, slots in order:
+    16 lanes at a time kept in registers. Slot s lives in row table[s // 64] * 64 + s % 64
+    (pages of 64 slots: 16 slots in a row never cross a page), at v[vo + row*vrow : +16].
+    Lane l's sums go to out[oo + l*ostride : +16]."""
     def codegen(context, builder, sig, args):
-        av, avo, avr, an, aw, awo, alanes, aout, aoo, aos = args
+        av, avo, avr, an, aw, awo, alanes, aout, aoo, aos, atab = args
         v16, i32 = ir.VectorType(ir.FloatType(), 16), ir.IntType(32)
         i64 = avo.type
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
         wdata = context.make_array(sig.args[4])(context, builder, aw).data
+        tdata = context.make_array(sig.args[10])(context, builder, atab).data
         accs = [cgutils.alloca_once(builder, v16) for _ in range(16)]
         n_groups = builder.sdiv(alanes, ir.Constant(i64, 16))
         with cgutils.for_range(builder, n_groups) as gl:
@@ -176,9 +178,12 @@ def pv16(typingctx, v, vo, vrow, n, w, wo, lanes, out, oo, ostride):
             steps = builder.sdiv(builder.add(builder.sub(an, g0), builder.sub(alanes, ir.Constant(i64, 1))), alanes)
             with cgutils.for_range(builder, steps) as sl:
                 s0 = builder.add(g0, builder.mul(sl.index, alanes))
+                page = builder.load(builder.gep(tdata, [builder.ashr(s0, ir.Constant(i64, 6))]))   # int64 table
+                row0 = builder.add(builder.mul(page, ir.Constant(i64, 64)), builder.and_(s0, ir.Constant(i64, 63)))
                 for r in range(16):
                     s = builder.add(s0, ir.Constant(i64, r))
-                    x = builder.load(_vec_ptr(context, builder, sig.args[0], av, builder.add(avo, builder.mul(s, avr))), align=4)
+                    row = builder.add(row0, ir.Constant(i64, r))
+                    x = builder.load(_vec_ptr(context, builder, sig.args[0], av, builder.add(avo, builder.mul(row, avr))), align=4)
                     wt = builder.load(builder.gep(wdata, [builder.add(awo, s)]))
                     splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), wt, ir.Constant(i32, 0)),
                                                    ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
@@ -187,4 +192,4 @@ def pv16(typingctx, v, vo, vrow, n, w, wo, lanes, out, oo, ostride):
                 dst = builder.add(aoo, builder.mul(builder.add(g0, ir.Constant(i64, r)), aos))
                 builder.store(builder.load(accs[r]), _vec_ptr(context, builder, sig.args[7], aout, dst), align=4)
         return context.get_dummy_value()
-    return types.none(v, vo, vrow, n, w, wo, lanes, out, oo, ostride), codegen
+    return types.none(v, vo, vrow, n, w, wo, lanes, out, oo, ostride, table), codegen

@@ -30,7 +30,7 @@ IDS = [1, 300, 301, 302, 290, 310, 305, 299, 320, 330, 311, 312, 313, 340, 350, 
 def test_ring_keeps_the_first_tokens_and_overwrites_the_oldest():
     c = KVCache(1, 1, 4, n_ctx=8, windows=[0], chunk=4, n_keep=2)
     for _ in range(11):
-        c.write_slots(1)
+        c.claim(1)
     lc = c.layers[0]
     assert c.dropped and c.n_past == 11
     assert sorted(lc.pos[:lc.cap].tolist()) == [0, 1, 5, 6, 7, 8, 9, 10]   # 2 kept + the 6 most recent
@@ -40,14 +40,14 @@ def test_ring_keeps_the_first_tokens_and_overwrites_the_oldest():
 def test_sliding_layers_hold_window_plus_chunk():
     c = KVCache(2, 1, 4, n_ctx=100, windows=[8, 0], chunk=4)
     assert [lc.cap for lc in c.layers] == [12, 100]
-    c.write_slots(30)
+    c.claim(30)
     assert not c.dropped            # a sliding layer wrapping is not a context overflow
     assert sorted(c.layers[0].pos[:12].tolist()) == list(range(18, 30))
 
 
 def test_rollback_forgets_positions():
     c = KVCache(1, 1, 4, n_ctx=16, windows=[0], chunk=4)
-    c.write_slots(10)
+    c.claim(10)
     c.rollback(3)
     assert c.n_past == 7 and (c.layers[0].pos >= 7).sum() == 0
 
@@ -120,7 +120,9 @@ def _run_attention(q, k, v, kpos, qpos, window, batch):
     from runner.backends.kernels import attention, attention_scratch
     out = np.zeros(q.shape, np.float32)
     scratch = np.zeros((8, attention_scratch(v.shape[1], q.shape[2], q.shape[1] // k.shape[0])), np.float32)
-    attention(q, qpos, k, v, kpos, int((kpos >= 0).sum()), window, np.float32(q.shape[2] ** -0.5), out, scratch, batch, 2)
+    n = len(qpos)    # one sequence over its own pages in order: the ring cache's view
+    attention(q, qpos, np.zeros(n, np.int64), np.full(n, batch), k, v, kpos, np.arange(v.shape[1] // 64)[None],
+              np.array([int((kpos >= 0).sum())]), window, np.float32(q.shape[2] ** -0.5), out, scratch, 2)
     return out
 
 

@@ -78,7 +78,7 @@ class Bigram:
         return KVCache(1, 1, 1, n_ctx, [0], 16, n_keep)
 
     def forward(self, tokens, cache, logits="last", one_by_one=False):
-        cache.write_slots(len(tokens))
+        cache.claim(len(tokens))
         out = self.table[np.asarray(tokens)]
         return out if logits == "all" else out[-1:]
 

@@ -131,8 +131,8 @@ def _fold(x, o, width):
 
 
 def attention_scratch(cap: int, head_dim: int, group: int) -> int:
-    """Floats of scratch per thread that attention() needs for a cache of cap slots and group
-    query heads per kv head."""
+    """Floats of scratch per thread that attention() needs for sequences of up to cap logical
+    slots and group query heads per kv head."""
     return group * (cap + 64 * 16 + 64 * head_dim)
 
 
@@ -158,36 +158,48 @@ def _visible(p0, p1, window):
     return (p0 >= 0) & (p0 <= p1) & ((window == 0) | (p1 - p0 < window))
 
 
+@njit(inline="always")
+def _row(table, s):
+    """The physical slot of logical slot s: pages of 64 slots, table[page] the page's index."""
+    return table[s >> 6] * 64 + (s & 63)
+
+
 @njit(parallel=True, cache=True)
-def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch, threads):
-    """out[t, h] = softmax(scale * q[t, h] . k[g]) @ v[g] over the cached slots that hold a
-    position p <= qpos[t] (and qpos[t] - p < window for sliding layers), g = h's kv head.
-    q, out: (n_tok, n_head, d); k: (n_kv, d, >= cap); v: (n_kv, cap, d), cap a multiple of 64;
-    scratch: (threads, attention_scratch).
+def attention(q, qpos, qseq, qbatch, k, v, kpos, tables, seq_slots, window, scale, out, scratch, threads):
+    """out[t, h] = softmax(scale * q[t, h] . k[g]) @ v[g] over the slots of token t's sequence
+    that hold a position p <= qpos[t] (and qpos[t] - p < window for sliding layers), g = h's
+    kv head. q, out: (n_tok, n_head, d); k: (n_kv, d, >= n_phys); v: (n_kv, n_phys, d); kpos
+    (n_phys,): the position each physical slot holds (-1 empty). Token t belongs to sequence
+    qseq[t], whose logical slots s < seq_slots[qseq[t]] live at physical slot
+    tables[qseq[t], s // 64] * 64 + s % 64: a block table over pages of 64 slots (a ring cache
+    is one sequence with the identity table). scratch: (threads, attention_scratch(64 *
+    tables.shape[1], ...)).
 
     In llama.cpp's float steps (f16 cache, no flash attention), so that the bits agree: q, k
     and v hold f16 values (the caller rounds them). q . k and weights . v are sums of fma
     chains, one per lane, reduced in _mm512_reduce_add_ps's tree: 16 lanes as tinyBLAS runs a
-    batch (batch), 64 folded to 16 as ggml_vec_dot_f16 runs one token (not batch: decode, and
+    batch (qbatch[t]), 64 folded to 16 as ggml_vec_dot_f16 runs one token (decode, and
     speculative verification, which must match decode). Softmax with ggml's exp, summed 16 at
-    a time into float64; the weights rounded to f16 before they meet v. Lanes go by slot (the
-    cell index in llama.cpp); slots a query cannot see add nothing (a zero weight leaves a
-    lane as it was). head_dim a multiple of 64 (16 in a batch): llama.cpp's kernels on other
-    sizes are not followed exactly (their tails add in float64).
+    a time into float64; the weights rounded to f16 before they meet v. Lanes go by logical
+    slot (the cell index in llama.cpp), so where a page lives changes no bit; slots a query
+    cannot see add nothing (a zero weight leaves a lane as it was). Pages of 64 slots line up
+    with the 64 lanes and the 16-slot score groups. head_dim a multiple of 64 (16 in a batch):
+    llama.cpp's kernels on other sizes are not followed exactly (their tails add in float64).
 
     A work item is one query, one kv head and its group's query heads (a share of them when
     there are fewer such items than threads): each row of k and v, read once, serves all of
     those heads (the cache is read from L2 once per group, not per head)."""
     n_tok, n_head, d = q.shape
-    n_kv, cap, stride = k.shape[0], v.shape[1], k.shape[2]      # slots; k's row length (>= cap)
+    n_kv, n_phys, stride = k.shape[0], v.shape[1], k.shape[2]      # physical slots; k's row length
+    cap = tables.shape[1] * 64                     # logical slots a sequence can have
     group = n_head // n_kv
-    lanes = 16 if batch else 64
     kf, vf, qf = k.ravel(), v.ravel(), q.ravel()
-    Ps, Vs = lanes * 16, lanes * d                 # per head: score lanes, value lanes
+    Ps, Vs = 64 * 16, 64 * d                       # per head: score lanes, value lanes (at most 64)
     top = np.zeros(n_tok, np.int64)                # per query: its sums stop after the last slot it sees
     for t in range(n_tok):
-        for s in range(n_slots):
-            if _visible(kpos[s], qpos[t], window):
+        tab = tables[qseq[t]]
+        for s in range(seq_slots[qseq[t]]):
+            if _visible(kpos[_row(tab, s)], qpos[t], window):
                 top[t] = s + 1
     # work items: a query, a kv head, and a share of its group's heads (one share unless
     # there are fewer query-kv pairs than threads (numba's): a decode step with one kv head)
@@ -197,6 +209,9 @@ def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch, 
         u, g, e0 = i // (n_kv * shares), (i // shares) % n_kv, (i % shares) * per
         e1 = min(group, e0 + per)
         t = u // 2 if u % 2 == 0 else n_tok - 1 - u // 2     # early and late queries alternate: even work
+        batch = qbatch[t]
+        lanes = 16 if batch else 64
+        tab = tables[qseq[t]]
         n = -(-top[t] // 16) * 16
         buf = scratch[get_thread_id()]
         sc, P, pv = buf[:group * cap], buf[group * cap:group * (cap + Ps)], buf[group * (cap + Ps):group * (cap + Ps + Vs)]
@@ -205,10 +220,11 @@ def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch, 
         if d < lanes:               # lanes no dim reaches stay zero
             P[:] = 0
         for b0 in range(0, n, 16):          # scores of 16 slots at once, lane j % lanes
+            r0 = _row(tab, b0)              # 16 slots in a row of one page
             for e in range(e0, e1):
-                if not _scores(d, batch, kf, g * d * stride + b0, stride, qf, (t * n_head + g * group + e) * d, P, e * Ps):
+                if not _scores(d, batch, kf, g * d * stride + r0, stride, qf, (t * n_head + g * group + e) * d, P, e * Ps):
                     for j in range(d):      # other head sizes: the same sums, through memory
-                        ko = (g * d + j) * stride + b0
+                        ko = (g * d + j) * stride + r0
                         if j < lanes:       # a lane's first product: fma onto zero
                             mul16(P, e * Ps + j * 16, kf, ko, q[t, g * group + e, j])
                         else:
@@ -218,7 +234,7 @@ def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch, 
                     _tree(P, e * Ps, 16)
             for e in range(e0, e1):
                 for c in range(16):
-                    if _visible(kpos[b0 + c], p1, window):
+                    if _visible(kpos[r0 + c], p1, window):
                         w = P[e * Ps + c] * scale
                         sc[e * cap + b0 + c] = w
                         mx[e] = max(mx[e], w)
@@ -239,7 +255,7 @@ def attention(q, qpos, k, v, kpos, n_slots, window, scale, out, scratch, batch, 
                     x[c] = f16_round_pos(x[c] * inv)
         for e in range(e0, e1):      # weights . v, lane s % lanes, 16 dims at a time
             for c in range(0, d, 16):
-                pv16(vf, g * cap * d + c, d, n, sc, e * cap, lanes, pv, e * Vs + c, d)
+                pv16(vf, g * n_phys * d + c, d, n, sc, e * cap, lanes, pv, e * Vs + c, d, tab)
         for e in range(e0, e1):
             if not batch:
                 _fold(pv, e * Vs, d)

@@ -12,13 +12,26 @@ import quant
 from gguf_io.config import ModelConfig
 from gguf_io.reader import GGUFError, GGUFFile
 from runner.backends import kernels as K
-from runner.kv_cache import KVCache
+from runner.kv_cache import PAGE, KVCache, LayerKV, PagedKV
 
 
 # Batches up to this size run the matvec kernels where the weights are not repacked
 # (matvec_rows where the type has it: faster than dequantizing every weight tile for a few
 # tokens), and Q/K/V (gate/up) as one fused repacked matrix where they have one.
 SMALL_BATCH = quant.kquants.ROWS
+
+
+@dataclass
+class Batch:
+    """The tokens of one forward, of any number of sequences."""
+    tokens: np.ndarray          # (n,) int64
+    positions: np.ndarray       # (n,) int64
+    seq: np.ndarray             # (n,) the token's sequence: its row in the KV view's tables
+    segments: list              # [(start, end, batch)]: runs of tokens whose matmuls take the
+                                # float steps of one llama.cpp batch of end - start (batch) or
+                                # of one token per row; together they cover 0..n
+    out: np.ndarray | None      # rows that need output, increasing (None: all, each with its
+                                # segment's steps; otherwise each with one token's steps)
 
 
 @dataclass
@@ -34,12 +47,15 @@ class Linear:
         len(X) tokens (batch) or, row by row, those of a single token."""
         if isinstance(self.raw, quant.packed.Packed):
             quant.packed.matmul_rows(self.raw, X, Y, batch)
-        elif X.shape[0] <= SMALL_BATCH:
-            if X.shape[0] > 1 and (rows := quant.qtype(self.type_id).matvec_rows) is not None:
-                rows(self.raw, X, Y)
-            else:
-                for i in range(X.shape[0]):
-                    quant.matvec(self.type_id, self.raw, X[i], Y[i])
+        elif X.shape[0] <= SMALL_BATCH or not batch:      # one token's steps for every row
+            rows = quant.qtype(self.type_id).matvec_rows
+            for s in range(0, X.shape[0], SMALL_BATCH):
+                Xs, Ys = X[s:s + SMALL_BATCH], Y[s:s + SMALL_BATCH]
+                if len(Xs) > 1 and rows is not None:
+                    rows(self.raw, Xs, Ys)
+                else:
+                    for i in range(Xs.shape[0]):
+                        quant.matvec(self.type_id, self.raw, Xs[i], Ys[i])
         else:
             quant.matmul(self.type_id, self.raw, X, Y, rounded)
         if self.bias is not None:
@@ -81,9 +97,11 @@ class Layer:
 class NumbaCPU:
     name = "numba-cpu"
 
-    def __init__(self, f: GGUFFile, cfg: ModelConfig, chunk: int = 512):
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, chunk: int = 512, max_tokens: int | None = None):
         from gguf_io.validate import validate; validate(f, cfg)  # noqa: E702  untrusted file: shapes proven before any kernel runs
-        self.cfg, self.chunk = cfg, chunk
+        # chunk: llama.cpp's batch size for one sequence's prompt; max_tokens: the most tokens
+        # one run() takes (a batch engine's step: a prompt chunk and other sequences' tokens)
+        self.cfg, self.chunk, self.max_tokens = cfg, chunk, max_tokens or chunk + 64
         for t in f.tensors.values():
             quant.qtype(t.type_id)   # unsupported types fail at load, with the type named
 
@@ -147,7 +165,7 @@ class NumbaCPU:
         self._alloc()
 
     def _alloc(self):
-        c, C = self.cfg, self.chunk
+        c, C = self.cfg, self.max_tokens
         qd, kd = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         z = lambda *s: np.zeros(s, np.float32)
         self.x, self.h, self.o = z(C, c.n_embd), z(C, c.n_embd), z(C, c.n_embd)
@@ -155,111 +173,139 @@ class NumbaCPU:
         self.k, self.v = z(C, kd), z(C, kd)
         self.g, self.u = z(C, c.n_ff), z(C, c.n_ff)
         self.qkv, self.gu = z(SMALL_BATCH, qd + 2 * kd), z(SMALL_BATCH, 2 * c.n_ff)   # fused outputs
-        self.logits1 = z(1, c.n_vocab)
-        self.logits_all = None          # (chunk, vocab): allocated on first logits="all"
         self.scratch = None             # attention's per-thread scores and lanes, sized by the cache
+
+    def _scratch_for(self, slots: int) -> None:
+        c = self.cfg
+        size = K.attention_scratch(-(-slots // 64) * 64, c.head_dim, c.n_head // c.n_head_kv)
+        if self.scratch is None or self.scratch.shape[1] < size:
+            self.scratch = np.zeros((numba.config.NUMBA_NUM_THREADS, size), np.float32)
 
     def make_cache(self, n_ctx: int, n_keep: int = 0) -> KVCache:
         c = self.cfg
         cache = KVCache(c.n_layer, c.n_head_kv, c.head_dim, n_ctx, [l.window for l in self.layers], self.chunk, n_keep)
-        cap = max(lc.v.shape[1] for lc in cache.layers)   # slots of the arrays
-        size = K.attention_scratch(cap, c.head_dim, c.n_head // c.n_head_kv)
-        if self.scratch is None or self.scratch.shape[1] < size:
-            self.scratch = np.zeros((numba.config.NUMBA_NUM_THREADS, size), np.float32)
+        self._scratch_for(cache.capacity)
         return cache
 
+    def make_store(self, n_pages: int, n_ctx: int) -> PagedKV:
+        """A pool of n_pages KV pages for many sequences of up to n_ctx tokens each."""
+        c = self.cfg
+        store = PagedKV(c.n_layer, c.n_head_kv, c.head_dim, n_pages, -(-n_ctx // PAGE))
+        self._scratch_for(store.max_pages * PAGE)
+        return store
+
+    @property
+    def windows(self) -> list[int]:
+        return [l.window for l in self.layers]
+
     def forward(self, tokens, cache: KVCache, logits: str = "last", one_by_one: bool = False) -> np.ndarray:
-        """Run tokens at positions cache.n_past... and return float32 logits: (1, vocab) for the
-        last token, or (n, vocab) for all. Longer inputs go in chunks of llama.cpp's batch
-        size, each computed with llama.cpp's float steps for a batch that size, or with
-        one_by_one the steps of one token at a time for every token (speculative verification:
-        the bits plain decoding gets). The "last" logits live in a buffer that the next call
-        overwrites: copy them to keep them. "hidden" returns the last token's final normed
-        state (1, n_embd) instead, for a head of the caller's."""
+        """Run one sequence's tokens at positions cache.n_past... and return float32 logits:
+        (1, vocab) for the last token, or (n, vocab) for all. Longer inputs go in chunks of
+        llama.cpp's batch size, each computed with llama.cpp's float steps for a batch that
+        size, or with one_by_one the steps of one token at a time for every token
+        (speculative verification: the bits plain decoding gets). "hidden" returns the last
+        token's final normed state (1, n_embd) instead, for a head of the caller's."""
         tokens = np.asarray(tokens, np.int64)
         outs = []
         for s in range(0, len(tokens), self.chunk):
-            last = s + self.chunk >= len(tokens)
-            out = self._forward_chunk(tokens[s:s + self.chunk], cache, logits if logits == "all" or last else None,
-                                      one_by_one)
+            part = tokens[s:s + self.chunk]
+            n, last = len(part), s + self.chunk >= len(tokens)
+            positions, kv = cache.claim(n)
+            rows = None if logits == "all" else np.arange(n - 1, n) if last else np.zeros(0, np.int64)
+            b = Batch(part, positions, np.zeros(n, np.int64), [(0, n, n > 1 and not one_by_one)], rows)
+            out = self.run(b, kv, hidden=logits == "hidden")
             if logits == "all":
-                outs.append(out.copy())
+                outs.append(out)
         return np.concatenate(outs) if logits == "all" else out
 
-    def _forward_chunk(self, tokens, cache: KVCache, mode: str | None, one_by_one: bool) -> np.ndarray | None:
-        c, n = self.cfg, len(tokens)
-        batch = n > 1 and not one_by_one
-        hd = c.head_dim
+    def run(self, b: Batch, kv: list[LayerKV], hidden: bool = False) -> np.ndarray | None:
+        """One forward over the tokens of b (any number of sequences, at most max_tokens
+        tokens) with the K/V of kv; returns a fresh (len(b.out), vocab) array of logits (or
+        of final normed states with hidden), None when no row needs output.
+
+        Each segment of b runs its matmuls with the float steps of one llama.cpp batch of
+        its size (batch) or of one token per row, so a token's bits depend only on its
+        segment, never on what else shares the forward: the rows of other sequences only
+        make the weights stream once for all. Not reentrant (one engine thread owns every
+        forward): the activation buffers and the kernels' scratch are the backend's."""
+        c, n = self.cfg, len(b.tokens)
+        segs, hd = b.segments, c.head_dim
         # 1/sqrt(head_dim) on the scores, or on q before its f16 rounding (gemma3), as llama.cpp
         q_scale, kq_scale = (np.float32(hd ** -0.5), np.float32(1)) if c.scale_q else (np.float32(1), np.float32(hd ** -0.5))
-        positions = np.arange(cache.n_past, cache.n_past + n)
-        slots = cache.write_slots(n)
+        qbatch = np.zeros(n, np.bool_)
+        for a, e, bt in segs:
+            qbatch[a:e] = bt
         x, h, o = self.x[:n], self.h[:n], self.o[:n]
         q, k, v, attn = self.q[:n], self.k[:n], self.v[:n], self.attn[:n]
         g, u = self.g[:n], self.u[:n]
-        quant.qtype(self.embd.type_id).dequant_rows(self.embd.raw[tokens], x)
+        quant.qtype(self.embd.type_id).dequant_rows(self.embd.raw[b.tokens], x)
         if c.embed_scale != 1.0:
             x *= np.float32(c.embed_scale)
-        for L, lc, sl in zip(self.layers, cache.layers, slots):
+        for L, lk in zip(self.layers, kv):
             K.rms_norm(x, L.attn_norm, c.norm_eps, h)
-            hr = {}     # h rounded for the weights' kernels, once per kind
-            if L.qkv is not None and n <= SMALL_BATCH:
-                qkv = self.qkv[:n]      # one kernel call for the three
-                L.qkv(h, qkv, batch=batch)
-                q[:], k[:], v[:] = qkv[:, :q.shape[1]], qkv[:, q.shape[1]:-v.shape[1]], qkv[:, -v.shape[1]:]
-            else:
-                L.wq(h, q, hr, batch)
-                L.wk(h, k, hr, batch)
-                L.wv(h, v, hr, batch)
+            for a, e, bt in segs:
+                self._qkv(L, h[a:e], q[a:e], k[a:e], v[a:e], bt)
             q3, k3 = q.reshape(n, c.n_head, hd), k.reshape(n, c.n_head_kv, hd)
             if L.q_norm is not None:
                 K.rms_norm(q3.reshape(-1, hd), L.q_norm, c.norm_eps, q3.reshape(-1, hd))
                 K.rms_norm(k3.reshape(-1, hd), L.k_norm, c.norm_eps, k3.reshape(-1, hd))
             # the cache holds f16 values, as llama.cpp's default f16 cache does (see K.attention)
-            K.rope_store(q3, k3, v.reshape(n, c.n_head_kv, hd), positions, L.theta_scale, self.freq_scale,
-                         self.freq_factors, c.rope_neox, sl, lc.k, lc.v, q_scale)
-            K.attention(q3, positions, lc.k, lc.v, lc.pos, lc.hi, L.window, kq_scale,
-                        attn.reshape(n, c.n_head, hd), self.scratch, batch, numba.get_num_threads())
-            L.wo(attn, o, batch=batch)
-            if L is self.layers[-1] and mode != "all":
-                # as llama.cpp, the last layer's FFN runs only for the rows that give output
-                if mode is None:
-                    break
-                x, h, o, g, u = x[-1:], h[-1:], o[-1:], g[-1:], u[-1:]
-                n, batch = 1, False
+            K.rope_store(q3, k3, v.reshape(n, c.n_head_kv, hd), b.positions, L.theta_scale, self.freq_scale,
+                         self.freq_factors, c.rope_neox, lk.slots, lk.k, lk.v, q_scale)
+            K.attention(q3, b.positions, b.seq, qbatch, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
+                        kq_scale, attn.reshape(n, c.n_head, hd), self.scratch, numba.get_num_threads())
+            for a, e, bt in segs:
+                L.wo(attn[a:e], o[a:e], batch=bt)
+            if L is self.layers[-1] and b.out is not None:
+                # as llama.cpp, the last layer's FFN runs only for the rows that give output,
+                # each with one token's float steps
+                if not len(b.out):
+                    return None
+                rows = b.out
+                x, o = x[rows], o[rows]
+                n = len(rows)
+                h, g, u = h[:n], g[:n], u[:n]
+                segs = [(0, n, False)]
             if L.post_attn_norm is not None:
                 K.rms_norm(o, L.post_attn_norm, c.norm_eps, o)
             x += o
             K.rms_norm(x, L.ffn_norm, c.norm_eps, h)
-            gelu = c.act == "gelu_tanh"
-            if L.gate_up is not None and n <= SMALL_BATCH:
-                gu = self.gu[:n]        # one kernel call for both: [gate | up] per row
-                L.gate_up(h, gu, batch=batch)
-                if gelu:
-                    K.gelu_tanh_mul(gu[:, :g.shape[1]], gu[:, g.shape[1]:], u)
-                else:
-                    K.silu_mul_halves(gu, u)
-                L.down(u, o, batch=batch)
-            else:
-                hr = {}
-                L.gate(h, g, hr, batch)
-                L.up(h, u, hr, batch)
-                (K.gelu_tanh_mul if gelu else K.silu_mul)(g, u, g)
-                L.down(g, o, batch=batch)
+            for a, e, bt in segs:
+                self._ffn(L, h[a:e], g[a:e], u[a:e], o[a:e], bt)
             if L.post_ffn_norm is not None:
                 K.rms_norm(o, L.post_ffn_norm, c.norm_eps, o)
             x += o
-        if mode is None:
-            return None
-        if mode == "hidden":
-            K.rms_norm(x[-1:], self.output_norm, c.norm_eps, h[:1])
-            return h[:1]
-        if mode == "last":
-            rows, out = x[-1:], self.logits1
-        else:
-            if self.logits_all is None:
-                self.logits_all = np.zeros((self.chunk, c.n_vocab), np.float32)
-            rows, out = x, self.logits_all[:n]
-        K.rms_norm(rows, self.output_norm, c.norm_eps, h[:len(rows)])
-        self.output(h[:len(rows)], out, batch=batch)
+        out = np.empty((n, c.n_embd if hidden else c.n_vocab), np.float32)
+        K.rms_norm(x, self.output_norm, c.norm_eps, out if hidden else h)
+        if not hidden:
+            for a, e, bt in segs:
+                self.output(h[a:e], out[a:e], batch=bt)
         return out
+
+    def _qkv(self, L: Layer, h, q, k, v, batch: bool) -> None:
+        if L.qkv is not None and len(h) <= SMALL_BATCH:
+            qkv = self.qkv[:len(h)]      # one kernel call for the three
+            L.qkv(h, qkv, batch=batch)
+            q[:], k[:], v[:] = qkv[:, :q.shape[1]], qkv[:, q.shape[1]:-v.shape[1]], qkv[:, -v.shape[1]:]
+        else:
+            hr = {}     # h rounded for the weights' kernels, once per kind
+            L.wq(h, q, hr, batch)
+            L.wk(h, k, hr, batch)
+            L.wv(h, v, hr, batch)
+
+    def _ffn(self, L: Layer, h, g, u, o, batch: bool) -> None:
+        gelu = self.cfg.act == "gelu_tanh"
+        if L.gate_up is not None and len(h) <= SMALL_BATCH:
+            gu = self.gu[:len(h)]        # one kernel call for both: [gate | up] per row
+            L.gate_up(h, gu, batch=batch)
+            if gelu:
+                K.gelu_tanh_mul(gu[:, :g.shape[1]], gu[:, g.shape[1]:], u)
+            else:
+                K.silu_mul_halves(gu, u)
+            L.down(u, o, batch=batch)
+        else:
+            hr = {}
+            L.gate(h, g, hr, batch)
+            L.up(h, u, hr, batch)
+            (K.gelu_tanh_mul if gelu else K.silu_mul)(g, u, g)
+            L.down(g, o, batch=batch)
