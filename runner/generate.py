@@ -85,6 +85,47 @@ def generate(model, prompt_ids: list[int], sampler: Sampler, cache, max_tokens: 
     return emit(model, prompt_ids, cache, decode, max_tokens, stop, history)
 
 
+class TextOut:
+    """One sequence's output as it streams: the detokenizer, stop strings held back, the end
+    of generation and the token limit. ``push(t)`` returns the events of token t and sets
+    ``finish`` once the sequence is done; ``close()`` returns the held-back tail. Shared by
+    generate(), speculative decoding and the batch engine."""
+
+    def __init__(self, tokenizer, max_tokens: int, stop: tuple[str, ...] = ()):
+        self.stream, self.eog, self.stop = tokenizer.stream(), tokenizer.eog_ids, stop
+        self.limit = max_tokens
+        self.hold = max((len(s) for s in stop), default=1) - 1   # chars that could start a stop string
+        self.text, self.pending, self.ids = "", "", []
+        self.finish: str | None = None      # "stop" | "length" once done
+        self._stop_string = False
+
+    def push(self, t: int) -> list[Token]:
+        self.ids.append(t)
+        if t in self.eog:
+            self.finish = "stop"
+            return []
+        self.pending += self.stream.add(t)
+        cut = _find_stop(self.pending, self.stop)
+        if cut is not None:
+            self.pending, self.finish, self._stop_string = self.pending[:cut], "stop", True
+            return []
+        piece = ""
+        if len(self.pending) > self.hold:
+            n = len(self.pending) - self.hold
+            piece, self.pending = self.pending[:n], self.pending[n:]
+            self.text += piece
+        if len(self.ids) >= self.limit:
+            self.finish = "length"
+        return [Token(t, piece)]   # one event per token; text may be "" while it is held back
+
+    def close(self) -> list[Token]:
+        if not self._stop_string:
+            self.pending += self.stream.flush()
+        tail, self.pending = self.pending, ""
+        self.text += tail
+        return [Token(-1, tail)] if tail else []   # the held-back tail: no new token
+
+
 def emit(model, prompt_ids: list[int], cache, source, max_tokens: int = -1, stop: tuple[str, ...] = (),
          history: list[int] | None = None, stats: Stats | None = None) -> Iterator[Token | Notice | Done]:
     """Prefill, then turn the ids of ``source(prefill_logits, history)`` into events. The source
@@ -93,56 +134,36 @@ def emit(model, prompt_ids: list[int], cache, source, max_tokens: int = -1, stop
     at the end the cache is rolled back to every id taken but the last, as plain decoding
     leaves it (the last one is fed first in the next turn)."""
     check_fits(len(prompt_ids), cache)
-    tok = model.tokenizer
     history = list(history or []) + list(prompt_ids)
-    limit = max_tokens if max_tokens >= 0 else cache.n_ctx
+    out = TextOut(model.tokenizer, max_tokens if max_tokens >= 0 else cache.n_ctx, stop)
     stats = stats or Stats()
     stats.prompt_tokens = len(prompt_ids)
-    stream = tok.stream()
-    text, pending, out_ids = "", "", []
-    hold = max((len(s) for s in stop), default=1) - 1   # chars that could start a stop string
     dropped_before = cache.dropped
     t0 = time.perf_counter()
     logits = model.backend.forward(prompt_ids, cache)[-1] if prompt_ids else None
     stats.prompt_s = time.perf_counter() - t0
     n_prompt_end = cache.n_past
-    finish, t1 = "length", time.perf_counter()
-    tokens = source(logits, history) if logits is not None else None
-    while tokens and len(out_ids) < limit:
+    t1 = time.perf_counter()
+    tokens = source(logits, history) if logits is not None and out.limit > 0 else None
+    if tokens is None:
+        out.finish = "length"
+    while out.finish is None:
         t = next(tokens)
-        if not out_ids:
+        if not out.ids:
             stats.ttft_s = time.perf_counter() - t0
             t1 = time.perf_counter()
         if cache.dropped and not dropped_before:
             dropped_before = True
             yield Notice(f"context full ({cache.n_ctx} tokens): the earliest tokens were dropped "
                          f"(the first {cache.n_keep} are kept)")
-        out_ids.append(t)
         history.append(t)
-        if t in tok.eog_ids:
-            finish = "stop"
-            break
-        pending += stream.add(t)
-        cut = _find_stop(pending, stop)
-        if cut is not None:
-            pending, finish = pending[:cut], "stop_string"
-            break
-        piece = ""
-        if len(pending) > hold:
-            piece, pending = pending[:len(pending) - hold], pending[len(pending) - hold:]
-            text += piece
-        yield Token(t, piece)   # one event per token; text may be "" while it is held back
-    if out_ids:
-        cache.rollback(cache.n_past - (n_prompt_end + len(out_ids) - 1))
-    if finish != "stop_string":
-        pending += stream.flush()
-    finish = "stop" if finish == "stop_string" else finish
-    if pending:
-        text += pending
-        yield Token(-1, pending)   # the held-back tail: no new token
-    stats.completion_tokens = len(out_ids)
+        yield from out.push(t)
+    if out.ids:
+        cache.rollback(cache.n_past - (n_prompt_end + len(out.ids) - 1))
+    yield from out.close()
+    stats.completion_tokens = len(out.ids)
     stats.gen_s = time.perf_counter() - t1
-    yield Done(finish, text, stats, out_ids)
+    yield Done(out.finish, out.text, stats, out.ids)
 
 
 def _find_stop(text: str, stop: tuple[str, ...]) -> int | None:
