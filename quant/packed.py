@@ -571,9 +571,7 @@ def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True) -> 
     n = X.shape[0]
     m = n if n == 1 else -(-n // 4) * 4
     xq, xd, isum, nb = _quantized(p, X, m)
-    # one token's steps for every row: the Q8_0-activation kinds have one order for both, so
-    # their rows still go eight at a time (cheaper per token than four)
-    nbatch = batch_tokens(p.kind, n) if batch or p.kind <= Q8_0 else 0
+    nbatch = batch_tokens(p.kind, n) if batch else 0
     if m == n and Y.flags.c_contiguous:     # the kernels write through flat offsets
         _matmul(p.data, p.kind, nb, xq, xd, isum, Y, nbatch)
         return
