@@ -686,7 +686,8 @@ def batch(args: Annotated[list[str], typer.Argument(help="[MODEL] INPUT.jsonl; I
     except B.BatchError as e:
         raise UserError(str(e)) from None
     if out.repaired:
-        err.print(f"[yellow]cut a torn last line ({out.repaired} bytes) from {output}: that record runs again[/]")
+        err.print(f"[yellow]cut a torn last line ({out.repaired} bytes) from {output}: that record runs again[/]",
+                  soft_wrap=True)
     try:
         from runner.constrain import parse_constraint as constraint
     except ImportError:
@@ -707,7 +708,8 @@ def batch(args: Annotated[list[str], typer.Argument(help="[MODEL] INPUT.jsonl; I
             mt = B.run(m, lines, out, defaults, n_ctx, parallel, sh, not no_prefix_cache, kv_pages, constraint, progress)
     except KeyboardInterrupt:
         out.close()
-        err.print(f"interrupted: every finished record is in {output}; run the same command again to resume")
+        err.print(f"interrupted: every finished record is in {output}; run the same command again to resume",
+                  soft_wrap=True)
         sys.exit(130)
     finally:
         if lines is not sys.stdin:

@@ -197,3 +197,20 @@ def test_kill_9_at_random_moments_loses_nothing_and_duplicates_nothing(reference
     assert r.returncode == 0, r.stderr
     assert kills >= 3
     assert answers(out) == reference        # each id once, no torn line, the same texts
+
+
+def test_ctrl_c_writes_nothing_torn_and_says_how_to_resume(reference, tmp_path):
+    inp, out = write(tmp_path / "in.jsonl", records()), tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "cli", "batch", QWEN, str(inp), "-o", str(out), "--parallel", "2"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # as a terminal has it
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (len(out.read_bytes().splitlines()) if out.exists() else 0) < 2:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    err = p.communicate(timeout=120)[1]
+    assert p.returncode == 130 and "run the same command again to resume" in err and "Traceback" not in err
+    done = answers(out)                     # every line whole
+    assert 2 <= len(done) < len(QUESTIONS) and all(reference[k] == v for k, v in done.items())
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and answers(out) == reference
