@@ -101,7 +101,7 @@ def parse_constraint(kind: str, value) -> ConstraintSpec:
         source = _text(value, "grammar")
         from llguidance.gbnf_to_lark import any_to_lark   # llguidance's GBNF -> Lark converter
         try:
-            body = any_to_lark(source)
+            body = any_to_lark(_plain_unicode_escapes(source))
         except Exception as e:   # its errors are GbnfToLarkError, but any failure is a bad grammar
             raise ValueError(f"invalid grammar: {_one_line(e)}") from None
         what = "grammar"
@@ -118,6 +118,24 @@ def parse_constraint(kind: str, value) -> ConstraintSpec:
             raise ValueError(f"the schema uses keywords numbat cannot enforce: {keys.group(1).replace(chr(34), '')}")
         raise ValueError(f"invalid {what}: {_one_line(problem)}")
     return ConstraintSpec(kind, source, grammar)
+
+
+def _plain_unicode_escapes(gbnf: str) -> str:
+    """GBNF's \\uXXXX and \\UXXXXXXXX escapes as \\xHH or the character itself. llguidance's
+    converter (1.9) drops their leading zeros, and its regex engine rejects what is left:
+    llama.cpp's own json.gbnf ([\\x5d-\\U0010FFFF]) failed with "invalid hexadecimal digit".
+    Characters past U+00FF are never GBNF syntax, so they can stand for themselves."""
+    def plain(m: re.Match) -> str:
+        s = m.group(0)
+        if s == "\\\\":   # an escaped backslash: the u after it is a letter
+            return s
+        cp = int(s[2:], 16)
+        if cp <= 0xFF:
+            return f"\\x{cp:02x}"
+        if 0xD800 <= cp <= 0xDFFF or cp > 0x10FFFF:   # not a character: left for the converter to refuse
+            return s
+        return chr(cp)
+    return re.sub(r"\\\\|\\u[0-9a-fA-F]{4}|\\U[0-9a-fA-F]{8}", plain, gbnf)
 
 
 def _text(value, what: str) -> str:

@@ -174,6 +174,23 @@ def test_several_constraints_on_several_tokenizers_interleaved(home):
     assert bridge(a) is not bridge(b)
 
 
+def test_gbnf_unicode_escapes(home):
+    """llama.cpp grammars write code points as \\xHH, \\uXXXX and \\UXXXXXXXX (its json.gbnf:
+    [\\x20\\x21\\x23-\\x5b\\x5d-\\U0010FFFF]); an escaped backslash before a u stays a backslash."""
+    tok = spm_tok()
+    i = tok.tokens.index
+    spec = parse_constraint("grammar", 'root ::= [\\x20\\x21\\x23-\\x5b\\x5d-\\U0010FFFF]+ "\\u00e9" "\\\\u"\n')
+    c = spec.start(tok)
+    for t in (i("a"), i("<0xF0>"), i("<0x9F>"), i("<0x99>"), i("<0x82>"), i("é"), i("<0x5C>")):   # a, 🙂, é, backslash
+        c.advance(t)
+    assert not c.is_complete()
+    assert _ids_of(c) == {i("<0x75>")}   # then a literal u
+    c.advance(i("<0x75>"))
+    assert c.is_complete()
+    with pytest.raises(ValueError, match="invalid grammar"):
+        parse_constraint("grammar", 'root ::= "\\uD800"\n')
+
+
 # ------------------------------------------------------------------ errors, before any model
 
 @pytest.mark.parametrize("kind,value,message", [
@@ -427,3 +444,17 @@ def test_cli_reports_incomplete_output(models):
                                      "--temp", "0", "--json"], catch_exceptions=False)
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["text"] in ("yes", "no") and out["finish_reason"] == "stop" and "incomplete" not in out
+
+
+@pytest.mark.real
+def test_chat_constrains_every_reply(models):
+    """Each turn starts the constraint afresh: both replies are whole JSON objects."""
+    from typer.testing import CliRunner
+
+    import cli
+    models(QWEN)
+    r = CliRunner().invoke(cli.app, ["chat", QWEN, "--json-object", "--temp", "0", "-n", "48"],
+                           input="Describe a cat with name and age.\nNow a dog.\n/exit\n", catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    replies = [part.split("\n>>>")[0].strip() for part in r.stdout.split(">>> ")[1:3]]
+    assert len(replies) == 2 and all(isinstance(json.loads(x), dict) for x in replies), r.stdout
