@@ -204,6 +204,7 @@ def test_gbnf_unicode_escapes(home):
     ("schema", {"type": "string", "pattern": "[a-"}, r"^invalid schema: regex parse error: unclosed character class$"),
     ("schema", {"$ref": "#/$defs/missing"}, r"^invalid schema: .*/\$defs/missing.* does not exist$"),
     ("schema", {"type": "integer", "minimum": 5, "maximum": 1}, r"minimum \(5\) is greater than maximum \(1\)"),
+    ("schema", {"type": "array", "uniqueItems": True, "x-guidance": {"lenient": True}}, r"lenient.*would ignore"),
     ("regex", "(ab", r"^invalid regex '\(ab': regex parse error: unclosed group$"),
     ("regex", "(?=x)y", r"^invalid regex .*look-around.*not supported$"),
     ("regex", "", r"^the regex is empty$"),
