@@ -688,10 +688,6 @@ def batch(args: Annotated[list[str], typer.Argument(help="[MODEL] INPUT.jsonl; I
     if out.repaired:
         err.print(f"[yellow]cut a torn last line ({out.repaired} bytes) from {output}: that record runs again[/]",
                   soft_wrap=True)
-    try:
-        from runner.constrain import parse_constraint as constraint
-    except ImportError:
-        constraint = None
     lines = sys.stdin if path == "-" else open(path, encoding="utf-8", errors="replace")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     bar = Progress(TextColumn("batch"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
@@ -705,7 +701,7 @@ def batch(args: Annotated[list[str], typer.Argument(help="[MODEL] INPUT.jsonl; I
         bar.update(task, completed=done, total=total, rate=f"{gen_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s")
     try:
         with bar:
-            mt = B.run(m, lines, out, defaults, n_ctx, parallel, sh, not no_prefix_cache, kv_pages, constraint, progress)
+            mt = B.run(m, lines, out, defaults, n_ctx, parallel, sh, not no_prefix_cache, kv_pages, progress)
     except KeyboardInterrupt:
         out.close()
         err.print(f"interrupted: every finished record is in {output}; run the same command again to resume",

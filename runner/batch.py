@@ -121,10 +121,8 @@ def _sampling(src: dict, d: Defaults, names: dict) -> tuple[SamplerConfig, bool]
     return SamplerConfig(**cfg), "seed" in got
 
 
-def parse_line(n: int, text: str, d: Defaults, model, model_names: set[str], run_seed: int,
-               constraint=None) -> Record:
-    """One input line -> a Record with a Request, or with the error to answer it with.
-    ``constraint(kind, value)`` builds a constraint spec (runner.constrain), or None if off."""
+def parse_line(n: int, text: str, d: Defaults, model, model_names: set[str], run_seed: int) -> Record:
+    """One input line -> a Record with a Request, or with the error to answer it with."""
     if len(text) > MAX_LINE:
         return Record(n, f"line:{n}", error=f"line {n} is longer than {MAX_LINE >> 20} MiB", code="invalid_json")
     try:
@@ -196,7 +194,7 @@ def parse_line(n: int, text: str, d: Defaults, model, model_names: set[str], run
         if sampling.temp > 0 and not seeded:
             sampling = SamplerConfig(**{**asdict(sampling), "seed": record_seed(run_seed, rid)})
             rec.seeded = True
-        spec = _constraint(src, openai, constraint)
+        spec = _constraint(src, openai)
         if raw:
             ids = model.tokenizer.encode((system + "\n" if system else "") + text_in)
         else:
@@ -216,34 +214,33 @@ def parse_line(n: int, text: str, d: Defaults, model, model_names: set[str], run
     return rec
 
 
-def _constraint(src: dict, openai: bool, build):
-    """response_format (OpenAI) or schema / grammar (short form) -> a constraint spec."""
-    kind = value = None
-    if openai and src.get("response_format") is not None:
-        rf = src["response_format"]
-        t = rf.get("type") if isinstance(rf, dict) else None
-        if t == "text":
+_specs: dict[tuple, object] = {}     # compiled constraints by their text: a file's records often share one
+
+
+def _constraint(src: dict, openai: bool):
+    """response_format (OpenAI) or schema / grammar / regex (short form) -> a constraint spec."""
+    from runner import constrain
+    if openai:
+        kind, value = "response_format", src.get("response_format")
+        if value is None:
             return None
-        if t == "json_object":
-            kind, value = "json_object", None
-        elif t == "json_schema" and isinstance(rf.get("json_schema"), dict) and "schema" in rf["json_schema"]:
-            kind, value = "schema", rf["json_schema"]["schema"]
-        else:
-            raise _Bad('response_format must be {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}')
-    elif not openai:
+    else:
         given = [k for k in ("schema", "grammar", "regex") if src.get(k) is not None]
         if len(given) > 1:
             raise _Bad("give at most one of schema, grammar, regex")
-        if given:
-            kind, value = given[0], src[given[0]]
-    if kind is None:
-        return None
-    if build is None:
-        raise _Bad("constrained output is not available in this build")
-    try:
-        return build(kind, value)
-    except ValueError as e:
-        raise _Bad(str(e)) from None
+        if not given:
+            return None
+        kind, value = given[0], src[given[0]]
+    key = (kind, json.dumps(value, sort_keys=True))
+    if key not in _specs:
+        try:
+            _specs[key] = (constrain.parse_response_format(value) if kind == "response_format"
+                           else constrain.parse_constraint(kind, value))
+        except ValueError as e:
+            raise _Bad(f"{kind}: {e}") from None
+        if len(_specs) > 256:
+            _specs.pop(next(iter(_specs)))
+    return _specs[key]
 
 
 # ---------------------------------------------------------------- answers
@@ -409,7 +406,7 @@ class Metrics:
 
 
 def run(model, lines, out: Output, defaults: Defaults, n_ctx: int, parallel: int, shard: tuple[int, int] | None,
-        prefix_cache: bool = True, n_pages: int | None = None, constraint=None, progress=None) -> Metrics:
+        prefix_cache: bool = True, n_pages: int | None = None, progress=None) -> Metrics:
     """Answer every line (an iterable of str) not yet answered in ``out``. ``progress(done,
     total, completion_tokens)`` is called as records finish. KeyboardInterrupt propagates
     with every finished answer already written."""
@@ -424,7 +421,7 @@ def run(model, lines, out: Output, defaults: Defaults, n_ctx: int, parallel: int
     for n, text in enumerate(lines, 1):
         if not text.strip():
             continue
-        rec = parse_line(n, text, defaults, model, names, run_seed, constraint)
+        rec = parse_line(n, text, defaults, model, names, run_seed)
         if shard and shard_of(rec.key, shard[1]) != shard[0]:
             continue
         mt.records += 1

@@ -214,3 +214,29 @@ def test_ctrl_c_writes_nothing_torn_and_says_how_to_resume(reference, tmp_path):
     assert 2 <= len(done) < len(QUESTIONS) and all(reference[k] == v for k, v in done.items())
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and answers(out) == reference
+
+
+def test_each_record_its_own_constraint(tmp_path):
+    import jsonschema
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 130}},
+              "required": ["name", "age"], "additionalProperties": False}
+    color = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]}
+    ask = lambda q: [{"role": "user", "content": q}]
+    lines = [
+        {"custom_id": "p", "body": {"messages": ask("Invent a person; reply in JSON."), "max_tokens": 60, "temperature": 0,
+                                    "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": person}}}},
+        {"custom_id": "o", "body": {"messages": ask("Reply with a JSON object about cats."), "max_tokens": 60,
+                                    "temperature": 0, "response_format": {"type": "json_object"}}},
+        {"id": "c", "messages": ask("Pick a color. Reply in JSON."), "schema": color, "max_tokens": 30, "temperature": 0},
+        {"id": "g", "prompt": "Say yes or no.", "grammar": 'root ::= "yes" | "no"', "max_tokens": 5, "temperature": 0},
+        {"id": "bad", "prompt": "x", "schema": {"type": "object", "uniqueItems": True, "not": {}}},
+    ]
+    r = invoke("batch", QWEN, write(tmp_path / "in.jsonl", lines), "-o", tmp_path / "out.jsonl", "--parallel", "4")
+    assert r.exit_code == 1 and "4 ok, 1 failed" in r.stderr
+    got = answers(tmp_path / "out.jsonl")
+    jsonschema.validate(json.loads(got["p"]), person)
+    assert isinstance(json.loads(got["o"]), dict)
+    jsonschema.validate(json.loads(got["c"]), color)
+    assert got["g"] in ("yes", "no")
+    assert got["bad"].startswith("line 5: schema:") and "cannot enforce" in got["bad"]
