@@ -394,11 +394,7 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
     m = _load(model, threads)
     if spec:
         _start(spec, sampler, m.tokenizer)
-    if raw:
-        ids = m.tokenizer.encode((system + "\n" if system else "") + text)
-    else:
-        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        ids = m.template.encode(m.tokenizer, msgs)
+    ids = m.encode_prompt(text, system=system, raw=raw)
     cache = m.make_cache(ctx, n_keep=1 if m.tokenizer.add_bos else 0)
     if speculation:
         events = speculative_generate(m, ids, sampler, cache, speculation(m, cache.n_ctx, threads), max_tokens,

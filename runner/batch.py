@@ -195,14 +195,7 @@ def parse_line(n: int, text: str, d: Defaults, model, model_names: set[str], run
             sampling = SamplerConfig(**{**asdict(sampling), "seed": record_seed(run_seed, rid)})
             rec.seeded = True
         spec = _constraint(src, openai)
-        if raw:
-            ids = model.tokenizer.encode((system + "\n" if system else "") + text_in)
-        else:
-            if msgs is None:
-                msgs = [{"role": "user", "content": text_in}]
-            if system is not None and not any(m["role"] == "system" for m in msgs):
-                msgs = [{"role": "system", "content": system}] + msgs
-            ids = model.template.encode(model.tokenizer, msgs)
+        ids = model.encode_prompt(text_in, msgs, system, raw)
         rec.req = Request(rid, ids, sampling, max_tokens, stop, spec)
     except _Bad as e:
         rec.error = f"line {n}: {e}"

@@ -47,6 +47,19 @@ class Model:
     template: ChatTemplate
     backend: object
 
+    def encode_prompt(self, text: str | None = None, messages: list[dict] | None = None,
+                      system: str | None = None, raw: bool = False) -> list[int]:
+        """A request's token ids, the one place prompt, batch (and a server) make them: raw text
+        is continued as it is (after the system text, if any); otherwise the chat template
+        renders the messages (or one user message of text), with the system prompt first when
+        the messages have none."""
+        if raw:
+            return self.tokenizer.encode((system + "\n" if system else "") + text)
+        msgs = list(messages) if messages is not None else [{"role": "user", "content": text}]
+        if system and not any(m["role"] == "system" for m in msgs):
+            msgs = [{"role": "system", "content": system}] + msgs
+        return self.template.encode(self.tokenizer, msgs)
+
     def make_cache(self, n_ctx: int | None = None, n_keep: int = 0):
         return self.backend.make_cache(self.context_length(n_ctx), n_keep)
 
