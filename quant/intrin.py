@@ -155,14 +155,14 @@ def scores16(d: int, lanes: int):
 
 
 @intrinsic
-def pv16(typingctx, v, vo, vrow, n, w, wo, lanes, out, oo, ostride, table):
+def pv16(typingctx, v, vo, vrow, n, w, wo, lanes, out, oo, ostride, table, pstride):
     """Weights w[wo + s] times 16 columns of slot s's row of v, for the logical slots s < n (n
     a multiple of 16), summed in lanes (16 or 64) fma chains, lane s % lanes, slots in order:
-    16 lanes at a time kept in registers. Slot s lives in row table[s // 64] * 64 + s % 64
-    (pages of 64 slots: 16 slots in a row never cross a page), at v[vo + row*vrow : +16].
+    16 lanes at a time kept in registers. Slot s lives in page table[s // 64], row s % 64
+    (16 slots in a row never cross a page), at v[vo + page*pstride + (s % 64)*vrow : +16].
     Lane l's sums go to out[oo + l*ostride : +16]."""
     def codegen(context, builder, sig, args):
-        av, avo, avr, an, aw, awo, alanes, aout, aoo, aos, atab = args
+        av, avo, avr, an, aw, awo, alanes, aout, aoo, aos, atab, aps = args
         v16, i32 = ir.VectorType(ir.FloatType(), 16), ir.IntType(32)
         i64 = avo.type
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
@@ -179,11 +179,10 @@ def pv16(typingctx, v, vo, vrow, n, w, wo, lanes, out, oo, ostride, table):
             with cgutils.for_range(builder, steps) as sl:
                 s0 = builder.add(g0, builder.mul(sl.index, alanes))
                 page = builder.load(builder.gep(tdata, [builder.ashr(s0, ir.Constant(i64, 6))]))   # int64 table
-                row0 = builder.add(builder.mul(page, ir.Constant(i64, 64)), builder.and_(s0, ir.Constant(i64, 63)))
+                base = builder.add(avo, builder.add(builder.mul(page, aps), builder.mul(builder.and_(s0, ir.Constant(i64, 63)), avr)))
                 for r in range(16):
                     s = builder.add(s0, ir.Constant(i64, r))
-                    row = builder.add(row0, ir.Constant(i64, r))
-                    x = builder.load(_vec_ptr(context, builder, sig.args[0], av, builder.add(avo, builder.mul(row, avr))), align=4)
+                    x = builder.load(_vec_ptr(context, builder, sig.args[0], av, builder.add(base, builder.mul(ir.Constant(i64, r), avr))), align=4)
                     wt = builder.load(builder.gep(wdata, [builder.add(awo, s)]))
                     splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), wt, ir.Constant(i32, 0)),
                                                    ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
@@ -192,4 +191,4 @@ def pv16(typingctx, v, vo, vrow, n, w, wo, lanes, out, oo, ostride, table):
                 dst = builder.add(aoo, builder.mul(builder.add(g0, ir.Constant(i64, r)), aos))
                 builder.store(builder.load(accs[r]), _vec_ptr(context, builder, sig.args[7], aout, dst), align=4)
         return context.get_dummy_value()
-    return types.none(v, vo, vrow, n, w, wo, lanes, out, oo, ostride, table), codegen
+    return types.none(v, vo, vrow, n, w, wo, lanes, out, oo, ostride, table, pstride), codegen

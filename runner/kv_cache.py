@@ -15,10 +15,11 @@ Two owners of pages:
   the context it was admitted with); full pages of prompt are shared between sequences by
   the hash of their tokens and of everything before them (``BlockPool``).
 
-Arrays are allocated once. A multiple of 64 slots (attention sums 64 at a time); k holds a
-row of slots per dim, so scores vectorize over slots, and each row is 16 floats longer so
-that one slot's dims do not all fall in one L1 cache set. Pages never touched are never
-resident (zeroed pages are mapped lazily), so memory follows the tokens held.
+Arrays are allocated once, in pages of 64 slots (attention sums 64 at a time); within a
+page k holds a row of slots per dim, so scores vectorize over slots, and each row is 16
+floats longer so that one slot's dims do not all fall in one L1 cache set. A page's K and V
+are contiguous and pages never touched are never resident (zeroed memory is mapped lazily,
+in huge pages too), so memory follows the tokens held.
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ PAGE = 64
 @dataclass
 class LayerKV:
     """What attention and the K/V store of one layer read in one forward."""
-    k: np.ndarray            # (n_kv, head_dim, n_phys + 16)
-    v: np.ndarray            # (n_kv, n_phys, head_dim)
+    k: np.ndarray            # (pages, n_kv, head_dim, 64 + 16): a dim's slots in a row
+    v: np.ndarray            # (pages, n_kv, 64, head_dim)
     pos: np.ndarray          # (n_phys,) position held by each physical slot, -1 empty
     slots: np.ndarray        # (n_tok,) physical slot each new token is written to
     tables: np.ndarray       # (n_seq, pages) int64: logical page -> physical page
@@ -42,15 +43,17 @@ class LayerKV:
     window: int              # 0: attend to everything cached
 
 
-def _kv_arrays(n_kv: int, head_dim: int, n_phys: int):
-    return (np.zeros((n_kv, head_dim, n_phys + 16), np.float32),
-            np.zeros((n_kv, n_phys, head_dim), np.float32))
+def _kv_arrays(n_kv: int, head_dim: int, n_pages: int):
+    """K and V of n_pages pages, each page's contiguous: memory (huge pages too) is touched
+    only where pages are written."""
+    return (np.zeros((n_pages, n_kv, head_dim, PAGE + 16), np.float32),
+            np.zeros((n_pages, n_kv, PAGE, head_dim), np.float32))
 
 
 class LayerCache:
     def __init__(self, n_kv: int, cap: int, head_dim: int, window: int):
         size = -(-cap // PAGE) * PAGE           # the extra slots stay empty
-        self.k, self.v = _kv_arrays(n_kv, head_dim, size)
+        self.k, self.v = _kv_arrays(n_kv, head_dim, size // PAGE)
         self.pos = np.full(size, -1, np.int64)
         self.table = np.arange(size // PAGE, dtype=np.int64)[None]    # its own pages, in order
         self.window = window
@@ -211,13 +214,13 @@ class PagedKV:
         self.pool = BlockPool(n_pages)
         self.max_pages = max_pages                  # pages one sequence may have (its context)
         n_phys = n_pages * PAGE
-        self.layers = [_kv_arrays(n_kv, head_dim, n_phys) for _ in range(n_layer)]
+        self.layers = [_kv_arrays(n_kv, head_dim, n_pages) for _ in range(n_layer)]
         self.pos = np.full(n_phys, -1, np.int64)    # one for all layers: logical slot = position
         self.hits = 0          # prompt tokens served from shared pages
         self.lookups = 0       # prompt tokens that could have been
 
     def nbytes_per_page(self) -> int:
-        return sum(k[:, :, :PAGE].nbytes + v[:, :PAGE].nbytes for k, v in self.layers)
+        return sum(k[0].nbytes + v[0].nbytes for k, v in self.layers)
 
     def attach(self, seq: SeqKV, prompt: list[int], limit: int, computing: set[bytes]) -> bool:
         """Give seq the longest run of shared full pages of prompt that leaves at least

@@ -34,7 +34,7 @@ def test_ring_keeps_the_first_tokens_and_overwrites_the_oldest():
     lc = c.layers[0]
     assert c.dropped and c.n_past == 11
     assert sorted(lc.pos[:lc.cap].tolist()) == [0, 1, 5, 6, 7, 8, 9, 10]   # 2 kept + the 6 most recent
-    assert lc.v.shape[1] == len(lc.pos) == 64 and (lc.pos[lc.cap:] == -1).all()   # arrays padded to 64 slots, never used
+    assert lc.v.shape[0] * 64 == len(lc.pos) == 64 and (lc.pos[lc.cap:] == -1).all()   # arrays padded to 64 slots, never used
 
 
 def test_sliding_layers_hold_window_plus_chunk():
@@ -119,10 +119,15 @@ def _attention_case(window, d=128, cap=128, filled=100):
 def _run_attention(q, k, v, kpos, qpos, window, batch):
     from runner.backends.kernels import attention, attention_scratch
     out = np.zeros(q.shape, np.float32)
-    scratch = np.zeros((8, attention_scratch(v.shape[1], q.shape[2], q.shape[1] // k.shape[0])), np.float32)
-    n = len(qpos)    # one sequence over its own pages in order: the ring cache's view
-    attention(q, qpos, np.zeros(n, np.int64), np.full(n, batch), k, v, kpos, np.arange(v.shape[1] // 64)[None],
-              np.array([int((kpos >= 0).sum())]), window, np.float32(q.shape[2] ** -0.5), out, scratch, 2)
+    n_kv, d, cap = k.shape
+    scratch = np.zeros((8, attention_scratch(cap, d, q.shape[1] // n_kv)), np.float32)
+    # the cache's layout: pages of 64 slots, k padded by 16 per dim row; one sequence over its pages in order
+    kp = np.zeros((cap // 64, n_kv, d, 80), np.float32)
+    kp[..., :64] = k.reshape(n_kv, d, cap // 64, 64).transpose(2, 0, 1, 3)
+    vp = np.ascontiguousarray(v.reshape(n_kv, cap // 64, 64, d).transpose(1, 0, 2, 3))
+    n = len(qpos)
+    attention(q, qpos, np.zeros(n, np.int64), np.full(n, batch), kp, vp, kpos, np.arange(cap // 64)[None],
+              np.array([int((kpos >= 0).sum())]), window, np.float32(d ** -0.5), out, scratch, 2)
     return out
 
 
@@ -223,15 +228,15 @@ def test_rope_store_is_rope_then_f16_rounding_into_the_slots():
     numpy's."""
     from runner.backends.kernels import rope, rope_store
     rng = np.random.default_rng(1)
-    n, n_head, n_kv, d, cap = 5, 4, 2, 8, 12
+    n, n_head, n_kv, d = 5, 4, 2, 8
     edges = np.array([0.0, -0.0, 1e-8, -3e-6, 6.1e-5, 65504, 65519, 65520, -7e4, 1e30], np.float32)
     q = (rng.standard_normal((n, n_head, d)) * 10.0 ** rng.integers(-7, 5, (n, n_head, d))).astype(np.float32)
     k = (rng.standard_normal((n, n_kv, d)) * 10.0 ** rng.integers(-7, 5, (n, n_kv, d))).astype(np.float32)
     v = rng.standard_normal((n, n_kv, d)).astype(np.float32)
     v.reshape(-1)[:len(edges)] = edges
-    pos, slots = np.arange(20, 20 + n), np.array([7, 8, 9, 10, 11])
+    pos, slots = np.arange(20, 20 + n), np.array([61, 62, 63, 64, 65])      # across a page boundary
     args = (np.float32(10000 ** -0.25), np.float32(1), np.ones(d // 2, np.float32), True)
-    kc, vc = np.full((n_kv, d, cap), 3.0, np.float32), np.full((n_kv, cap, d), 3.0, np.float32)
+    kc, vc = np.full((2, n_kv, d, 80), 3.0, np.float32), np.full((2, n_kv, 64, d), 3.0, np.float32)
     q2, k2 = q.copy(), k.copy()
     rope_store(q, k, v, pos, *args, slots, kc, vc, np.float32(0.0625))
     rope(q2, pos, *args)
@@ -239,10 +244,14 @@ def test_rope_store_is_rope_then_f16_rounding_into_the_slots():
     with np.errstate(over="ignore"):    # the overflow to inf is what is tested
         q2, k2, v2 = (a.astype(np.float16).astype(np.float32) for a in (q2 * np.float32(0.0625), k2, v))
     np.testing.assert_array_equal(q.view(np.int32), q2.view(np.int32))     # q scaled, then rounded
-    np.testing.assert_array_equal(kc[:, :, slots].view(np.int32), k2.transpose(1, 2, 0).view(np.int32))
-    np.testing.assert_array_equal(vc[:, slots].view(np.int32), v2.transpose(1, 0, 2).view(np.int32))
-    assert (kc[:, :, :7] == 3).all() and (vc[:, :7] == 3).all()
-    assert np.isinf(vc[0, 7, 7]) and np.isinf(vc[1, 7, 0]) and vc[0, 7, 5] == 65504   # 65520 and 1e30 overflow
+    pg, off = slots // 64, slots % 64       # slot s: row s % 64 of page s // 64
+    np.testing.assert_array_equal(kc[pg, :, :, off].view(np.int32), k2.view(np.int32))
+    np.testing.assert_array_equal(vc[pg, :, off].view(np.int32), v2.view(np.int32))
+    written = np.zeros((2, 64), bool)
+    written[pg, off] = True
+    assert (kc.transpose(0, 3, 1, 2)[:, :64][~written] == 3).all() and (vc.transpose(0, 2, 1, 3)[~written] == 3).all()
+    assert (kc[..., 64:] == 3).all()        # the pad is never written
+    assert np.isinf(vc[0, 0, 61, 7]) and np.isinf(vc[0, 1, 61, 0]) and vc[0, 0, 61, 5] == 65504   # 65520 and -7e4 overflow
 
 
 # ---------------------------------------------------------------- generate

@@ -57,20 +57,21 @@ def f16_round(x):
 def rope_store(q, k, v, positions, theta_scale, freq_scale, freq_factors, neox, slots, kc, vc, q_scale):
     """One layer's new tokens into its cache: RoPE on q (n, n_head, d) and k (n, n_kv, d),
     q times q_scale and rounded to f16 in place, and k and v (n, n_kv, d) stored f16-rounded
-    at their slots of kc (n_kv, d, cap) and vc (n_kv, cap, d), as llama.cpp's f16 cache holds
+    at their slots of kc and vc, as llama.cpp's f16 cache holds
     them. One serial
-    call: decode's few tokens do not pay for starting threads, nor for five numpy steps."""
+    call: decode's few tokens do not pay for starting threads, nor for five numpy steps.
+    Slot s is row s % 64 of page s // 64 (kc: (pages, n_kv, d, >= 64), vc: (pages, n_kv, 64, d))."""
     rope(q, positions, theta_scale, freq_scale, freq_factors, neox)
     rope(k, positions, theta_scale, freq_scale, freq_factors, neox)
     for t in range(q.shape[0]):
         for h in range(q.shape[1]):
             for j in range(q.shape[2]):
                 q[t, h, j] = f16_round(q[t, h, j] * q_scale)
-        s = slots[t]
+        p, o = slots[t] >> 6, slots[t] & 63
         for h in range(k.shape[1]):
             for j in range(k.shape[2]):
-                kc[h, j, s] = f16_round(k[t, h, j])
-                vc[h, s, j] = f16_round(v[t, h, j])
+                kc[p, h, j, o] = f16_round(k[t, h, j])
+                vc[p, h, o, j] = f16_round(v[t, h, j])
 
 
 @njit(parallel=True, fastmath=False, cache=True)
@@ -168,11 +169,12 @@ def _row(table, s):
 def attention(q, qpos, qseq, qbatch, k, v, kpos, tables, seq_slots, window, scale, out, scratch, threads):
     """out[t, h] = softmax(scale * q[t, h] . k[g]) @ v[g] over the slots of token t's sequence
     that hold a position p <= qpos[t] (and qpos[t] - p < window for sliding layers), g = h's
-    kv head. q, out: (n_tok, n_head, d); k: (n_kv, d, >= n_phys); v: (n_kv, n_phys, d); kpos
-    (n_phys,): the position each physical slot holds (-1 empty). Token t belongs to sequence
-    qseq[t], whose logical slots s < seq_slots[qseq[t]] live at physical slot
-    tables[qseq[t], s // 64] * 64 + s % 64: a block table over pages of 64 slots (a ring cache
-    is one sequence with the identity table). scratch: (threads, attention_scratch(64 *
+    kv head. q, out: (n_tok, n_head, d); k: (pages, n_kv, d, >= 64), each page a dim's 64
+    slots in a row; v: (pages, n_kv, 64, d); kpos (pages * 64,): the position each physical
+    slot holds (-1 empty). Token t belongs to sequence qseq[t], whose logical slots s <
+    seq_slots[qseq[t]] live in page tables[qseq[t], s // 64], row s % 64: a block table (a
+    ring cache is one sequence with the identity table). A page's K and V are contiguous, so
+    memory is touched page by page (huge pages too). scratch: (threads, attention_scratch(64 *
     tables.shape[1], ...)).
 
     In llama.cpp's float steps (f16 cache, no flash attention), so that the bits agree: q, k
@@ -190,7 +192,8 @@ def attention(q, qpos, qseq, qbatch, k, v, kpos, tables, seq_slots, window, scal
     there are fewer such items than threads): each row of k and v, read once, serves all of
     those heads (the cache is read from L2 once per group, not per head)."""
     n_tok, n_head, d = q.shape
-    n_kv, n_phys, stride = k.shape[0], v.shape[1], k.shape[2]      # physical slots; k's row length
+    n_kv, stride = k.shape[1], k.shape[3]          # k's row length (64 slots and a pad)
+    kpage, vpage = n_kv * d * stride, n_kv * 64 * d
     cap = tables.shape[1] * 64                     # logical slots a sequence can have
     group = n_head // n_kv
     kf, vf, qf = k.ravel(), v.ravel(), q.ravel()
@@ -221,10 +224,11 @@ def attention(q, qpos, qseq, qbatch, k, v, kpos, tables, seq_slots, window, scal
             P[:] = 0
         for b0 in range(0, n, 16):          # scores of 16 slots at once, lane j % lanes
             r0 = _row(tab, b0)              # 16 slots in a row of one page
+            k0 = tab[b0 >> 6] * kpage + g * d * stride + (b0 & 63)
             for e in range(e0, e1):
-                if not _scores(d, batch, kf, g * d * stride + r0, stride, qf, (t * n_head + g * group + e) * d, P, e * Ps):
+                if not _scores(d, batch, kf, k0, stride, qf, (t * n_head + g * group + e) * d, P, e * Ps):
                     for j in range(d):      # other head sizes: the same sums, through memory
-                        ko = (g * d + j) * stride + r0
+                        ko = k0 + j * stride
                         if j < lanes:       # a lane's first product: fma onto zero
                             mul16(P, e * Ps + j * 16, kf, ko, q[t, g * group + e, j])
                         else:
@@ -255,7 +259,7 @@ def attention(q, qpos, qseq, qbatch, k, v, kpos, tables, seq_slots, window, scal
                     x[c] = f16_round_pos(x[c] * inv)
         for e in range(e0, e1):      # weights . v, lane s % lanes, 16 dims at a time
             for c in range(0, d, 16):
-                pv16(vf, g * n_phys * d + c, d, n, sc, e * cap, lanes, pv, e * Vs + c, d, tab)
+                pv16(vf, g * 64 * d + c, d, n, sc, e * cap, lanes, pv, e * Vs + c, d, tab, vpage)
         for e in range(e0, e1):
             if not batch:
                 _fold(pv, e * Vs, d)
