@@ -30,6 +30,8 @@ def resolve(model: str, progress: catalog.Progress | None = None) -> Path:
             raise ModelError(str(e)) from None
     p = Path(model).expanduser()
     if p.exists() or model.endswith(".gguf") or os.sep in model:
+        if p.exists() and not p.is_file():
+            raise ModelError(f"model path {p} is not a regular file: give a path to a .gguf file")
         if not p.is_file():
             raise ModelError(f"model file {p} does not exist: give a path to a .gguf file or one of: "
                              f"{', '.join(catalog.CATALOG)}")

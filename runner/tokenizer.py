@@ -323,7 +323,10 @@ def _cached_spm(tokens: Sequence[str], scores: np.ndarray) -> HFTokenizer:
         except Exception:   # a damaged cache file is rebuilt below
             pass
     hf = _build_spm(tokens, scores)
-    _write_atomic(path, hf.to_str())
+    try:
+        _write_atomic(path, hf.to_str())
+    except OSError:     # an unwritable NUMBAT_HOME: the tokenizer still works, built again next time
+        pass
     return hf
 
 

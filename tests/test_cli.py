@@ -150,6 +150,8 @@ def _fake_model(home: Path, name: str, size: int | None = None) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     with open(p, "wb") as f:
         f.truncate(catalog.CATALOG[name].size if size is None else size)   # sparse: no real bytes
+    # the stamp a verified download leaves, so the fake counts as downloaded without hashing
+    catalog._stamp(p).write_text(json.dumps(catalog._record(p.stat(), catalog.CATALOG[name].sha256)))
     return p
 
 
@@ -411,6 +413,14 @@ def test_missing_model_file(files):
     r = run("prompt", files["missing"], "hi")
     assert r.returncode == 1
     assert_one_line_error(r.stderr, str(files["missing"]), "does not exist")
+
+
+def test_model_path_that_is_a_directory(tmp_path):
+    d = tmp_path / "model.gguf"
+    d.mkdir()
+    r = run("prompt", d, "hi")
+    assert r.returncode == 1
+    assert_one_line_error(r.stderr, str(d), "not a regular file")
 
 
 @pytest.mark.parametrize("cmd", ["prompt", "info"])
