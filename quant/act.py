@@ -85,7 +85,9 @@ def quantize_q8_K(x, xq, xd, bsums):
             for i in range(16):
                 s += xq[b * 256 + j * 16 + i]
             bsums[b * 16 + j] = s
-        xd[b] = np.float32(1) / iscale
+        # an infinite activation makes iscale -0 or +0: C's 1 / iscale is then -inf or +inf
+        # (llama.cpp goes on with inf/NaN logits), numba's would raise
+        xd[b] = np.float32(1) / iscale if iscale != 0 else (np.float32(-np.inf) if mx > 0 else np.float32(np.inf))
 
 
 # ---- prefill: the same rounding applied to a whole batch, dequantized back to float32 so BLAS
