@@ -463,6 +463,8 @@ def chat(model: ModelArg = None,
     s = ChatSession(m, sampler, n_ctx, system, speculation(m, n_ctx, threads) if speculation else None)
     out = Console(highlight=False)
     out.print(f"[dim]{m.name} ({m.cfg.arch}, context {s.cache.n_ctx}). /help for commands.[/]")
+    if hasattr(sys.stdin, "reconfigure"):       # bytes that are not UTF-8 read as U+FFFD, as in prompt
+        sys.stdin.reconfigure(errors="replace")
     while True:
         try:
             line = input(">>> ")

@@ -240,6 +240,11 @@ def test_invalid_utf8_on_stdin_and_argv_is_replaced(tmp_path, tiny_file):
         assert r.stdout == want.stdout
 
 
+def test_invalid_utf8_typed_into_chat_is_replaced(tmp_path, tiny_file):
+    r = _cli(tmp_path, "chat", str(tiny_file), "-n", "2", "--temp", "0", input=b"a\xffb\n/exit\n")
+    assert r.returncode == 0 and b"Traceback" not in r.stderr and b"Error" not in r.stderr, r.stderr.decode()
+
+
 @pytest.mark.parametrize("flags, needle", [(["-t", "-1"], "-t/--threads must be at least 1, got -1"),
                                            (["--seed", "-1"], "--seed must be in 0..2^64-1, got -1")])
 def test_out_of_range_flags_name_the_flag(tmp_path, tiny_file, flags, needle):
