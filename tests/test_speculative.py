@@ -211,9 +211,10 @@ def _same_cache(a: KVCache, b: KVCache):
     assert (a.n_past, a.dropped) == (b.n_past, b.dropped)
     for la, lb in zip(a.layers, b.layers):
         np.testing.assert_array_equal(la.pos, lb.pos)
-        live = la.pos >= 0
-        np.testing.assert_array_equal(la.k[:, :, :len(live)][:, :, live], lb.k[:, :, :len(live)][:, :, live])   # k: (kv heads, dims, slots)
-        np.testing.assert_array_equal(la.v[:, live], lb.v[:, live])
+        live = np.flatnonzero(la.pos >= 0)
+        pg, off = live // 64, live % 64     # slot s: row s % 64 of page s // 64
+        np.testing.assert_array_equal(la.k[pg, :, :, off], lb.k[pg, :, :, off])   # k: (pages, kv heads, dims, 64 + pad)
+        np.testing.assert_array_equal(la.v[pg, :, off], lb.v[pg, :, off])
 
 
 def _check_same(target, proposer, prompt, n_ctx, max_tokens, stop=()):
