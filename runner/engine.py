@@ -73,8 +73,7 @@ class _Seq:
     def __init__(self, req: Request, tokenizer, n_ctx: int, prefix_cache: bool):
         self.req = req
         self.kv = SeqKV()
-        self.sampler = Sampler(req.sampling, **({"constraint": req.constraint.start(tokenizer)}
-                                                if req.constraint is not None else {}))
+        self.sampler = Sampler(req.sampling, req.constraint.start(tokenizer) if req.constraint is not None else None)
         L = len(req.prompt)
         room = n_ctx - L + 1            # the last sampled token is never fed
         self.limit = min(req.max_tokens, room) if req.max_tokens >= 0 else room

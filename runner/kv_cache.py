@@ -23,6 +23,7 @@ in huge pages too), so memory follows the tokens held.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -145,7 +146,6 @@ class BlockPool:
 
     @staticmethod
     def key(parent: bytes | None, tokens) -> bytes:
-        import hashlib
         h = hashlib.blake2b(digest_size=16)
         h.update(parent or b"root")
         h.update(np.asarray(tokens, np.int64).tobytes())
