@@ -183,7 +183,7 @@ class NumbaCPU:
 
     def make_cache(self, n_ctx: int, n_keep: int = 0) -> KVCache:
         c = self.cfg
-        cache = KVCache(c.n_layer, c.n_head_kv, c.head_dim, n_ctx, [l.window for l in self.layers], self.chunk, n_keep)
+        cache = KVCache(c.n_layer, c.n_head_kv, c.head_dim, n_ctx, self.windows, self.chunk, n_keep)
         self._scratch_for(cache.capacity)
         return cache
 
