@@ -61,9 +61,37 @@ def bits_f32(typingctx, i):
     return types.float32(types.int32), codegen
 
 
+@intrinsic
+def h2f(typingctx, h):
+    """The float16 whose bits are h (uint16), as float32 (vcvtph2ps)."""
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def f2h(typingctx, x):
+    """The bits of float32 x rounded to the nearest float16, ties to even (vcvtps2ph), as
+    numpy's astype(float16): the f16 KV cache's stores."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
 def _vec_ptr(context, builder, arrty, arr, offset):
     data = context.make_array(arrty)(context, builder, arr).data
     return builder.bitcast(builder.gep(data, [offset]), ir.VectorType(ir.FloatType(), 16).as_pointer())
+
+
+def _load16(context, builder, arrty, arr, offset):
+    """16 floats from a flat float32 array, or 16 float16 (uint16 bits) widened to float32:
+    the f16 KV cache is read in place, never copied out."""
+    data = context.make_array(arrty)(context, builder, arr).data
+    if arrty.dtype == types.uint16:
+        h16 = ir.VectorType(ir.IntType(16), 16)
+        x = builder.load(builder.bitcast(builder.gep(data, [offset]), h16.as_pointer()), align=2)
+        return builder.fpext(builder.bitcast(x, ir.VectorType(ir.HalfType(), 16)), ir.VectorType(ir.FloatType(), 16))
+    return builder.load(builder.bitcast(builder.gep(data, [offset]), ir.VectorType(ir.FloatType(), 16).as_pointer()), align=4)
 
 
 @intrinsic
@@ -75,11 +103,10 @@ def fma16(typingctx, acc, ai, x, xi, s):
         aacc, aai, ax, axi, as_ = args
         v16 = ir.VectorType(ir.FloatType(), 16)
         pa = _vec_ptr(context, builder, sig.args[0], aacc, aai)
-        px = _vec_ptr(context, builder, sig.args[2], ax, axi)
         splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), as_, ir.Constant(ir.IntType(32), 0)),
                                        ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
         f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
-        builder.store(builder.call(f, [builder.load(px, align=4), splat, builder.load(pa, align=4)]), pa, align=4)
+        builder.store(builder.call(f, [_load16(context, builder, sig.args[2], ax, axi), splat, builder.load(pa, align=4)]), pa, align=4)
         return context.get_dummy_value()
     return types.none(acc, ai, x, xi, types.float32), codegen
 
@@ -92,7 +119,7 @@ def mul16(typingctx, out, oi, x, xi, s):
         v16 = ir.VectorType(ir.FloatType(), 16)
         splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), as_, ir.Constant(ir.IntType(32), 0)),
                                        ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
-        vx = builder.load(_vec_ptr(context, builder, sig.args[2], ax, axi), align=4)
+        vx = _load16(context, builder, sig.args[2], ax, axi)
         builder.store(builder.fmul(vx, splat), _vec_ptr(context, builder, sig.args[0], ao, aoi), align=4)
         return context.get_dummy_value()
     return types.none(out, oi, x, xi, types.float32), codegen
@@ -126,8 +153,7 @@ def scores16(d: int, lanes: int):
             qdata = context.make_array(sig.args[3])(context, builder, aqf).data
 
             def key(j):
-                return builder.load(_vec_ptr(context, builder, sig.args[0], akf,
-                                             builder.add(ako, builder.mul(acap, ir.Constant(acap.type, j)))), align=4)
+                return _load16(context, builder, sig.args[0], akf, builder.add(ako, builder.mul(acap, ir.Constant(acap.type, j))))
 
             def qsplat(j):
                 x = builder.load(builder.gep(qdata, [builder.add(aqo, ir.Constant(aqo.type, j))]))
@@ -182,7 +208,7 @@ def pv16(typingctx, v, vo, vrow, n, w, wo, lanes, out, oo, ostride, table, pstri
                 base = builder.add(avo, builder.add(builder.mul(page, aps), builder.mul(builder.and_(s0, ir.Constant(i64, 63)), avr)))
                 for r in range(16):
                     s = builder.add(s0, ir.Constant(i64, r))
-                    x = builder.load(_vec_ptr(context, builder, sig.args[0], av, builder.add(base, builder.mul(ir.Constant(i64, r), avr))), align=4)
+                    x = _load16(context, builder, sig.args[0], av, builder.add(base, builder.mul(ir.Constant(i64, r), avr)))
                     wt = builder.load(builder.gep(wdata, [builder.add(awo, s)]))
                     splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), wt, ir.Constant(i32, 0)),
                                                    ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(i32, 16), [0] * 16))

@@ -17,7 +17,8 @@ Two owners of pages:
 
 Arrays are allocated once, in pages of 64 slots (attention sums 64 at a time); within a
 page k holds a row of slots per dim, so scores vectorize over slots, and each row is 16
-floats longer so that one slot's dims do not all fall in one L1 cache set. A page's K and V
+values longer so that one slot's dims do not all fall in one L1 cache set. K and V are
+float16 (uint16 bits, numba has no float16), as llama.cpp's default cache: 2 bytes a value. A page's K and V
 are contiguous and pages never touched are never resident (zeroed memory is mapped lazily,
 in huge pages too), so memory follows the tokens held.
 """
@@ -35,8 +36,8 @@ PAGE = 64
 @dataclass
 class LayerKV:
     """What attention and the K/V store of one layer read in one forward."""
-    k: np.ndarray            # (pages, n_kv, head_dim, 64 + 16): a dim's slots in a row
-    v: np.ndarray            # (pages, n_kv, 64, head_dim)
+    k: np.ndarray            # (pages, n_kv, head_dim, 64 + 16) float16 bits: a dim's slots in a row
+    v: np.ndarray            # (pages, n_kv, 64, head_dim) float16 bits
     pos: np.ndarray          # (n_phys,) position held by each physical slot, -1 empty
     slots: np.ndarray        # (n_tok,) physical slot each new token is written to
     tables: np.ndarray       # (n_seq, pages) int64: logical page -> physical page
@@ -47,8 +48,8 @@ class LayerKV:
 def _kv_arrays(n_kv: int, head_dim: int, n_pages: int):
     """K and V of n_pages pages, each page's contiguous: memory (huge pages too) is touched
     only where pages are written."""
-    return (np.zeros((n_pages, n_kv, head_dim, PAGE + 16), np.float32),
-            np.zeros((n_pages, n_kv, PAGE, head_dim), np.float32))
+    return (np.zeros((n_pages, n_kv, head_dim, PAGE + 16), np.uint16),
+            np.zeros((n_pages, n_kv, PAGE, head_dim), np.uint16))
 
 
 class LayerCache:

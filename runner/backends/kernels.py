@@ -7,7 +7,7 @@ import math
 import numpy as np
 from numba import get_thread_id, njit, prange
 
-from quant.intrin import add16, bits_f32, f32_bits, fma16, fma32, mul16, pv16, scores16
+from quant.intrin import add16, bits_f32, f2h, f32_bits, fma16, fma32, mul16, pv16, scores16
 
 f32 = np.float32
 _C = [f32(float.fromhex(h)) for h in ("0x1.8p23", "0x1.715476p+0", "0x1.7f7d1cp-20", "0x1.62e4p-1", "0x1.0e4020p-7",
@@ -56,11 +56,11 @@ def f16_round(x):
 @njit(cache=True)
 def rope_store(q, k, v, positions, theta_scale, freq_scale, freq_factors, neox, slots, kc, vc, q_scale):
     """One layer's new tokens into its cache: RoPE on q (n, n_head, d) and k (n, n_kv, d),
-    q times q_scale and rounded to f16 in place, and k and v (n, n_kv, d) stored f16-rounded
-    at their slots of kc and vc, as llama.cpp's f16 cache holds
-    them. One serial
-    call: decode's few tokens do not pay for starting threads, nor for five numpy steps.
-    Slot s is row s % 64 of page s // 64 (kc: (pages, n_kv, d, >= 64), vc: (pages, n_kv, 64, d))."""
+    q times q_scale and rounded to f16 in place, and k and v (n, n_kv, d) stored as float16
+    (uint16 bits) at their slots of kc and vc, as llama.cpp's f16 cache holds them. One
+    serial call: decode's few tokens do not pay for starting threads, nor for five numpy
+    steps. Slot s is row s % 64 of page s // 64 (kc: (pages, n_kv, d, >= 64), vc: (pages,
+    n_kv, 64, d))."""
     rope(q, positions, theta_scale, freq_scale, freq_factors, neox)
     rope(k, positions, theta_scale, freq_scale, freq_factors, neox)
     for t in range(q.shape[0]):
@@ -70,8 +70,8 @@ def rope_store(q, k, v, positions, theta_scale, freq_scale, freq_factors, neox, 
         p, o = slots[t] >> 6, slots[t] & 63
         for h in range(k.shape[1]):
             for j in range(k.shape[2]):
-                kc[p, h, j, o] = f16_round(k[t, h, j])
-                vc[p, h, o, j] = f16_round(v[t, h, j])
+                kc[p, h, j, o] = f2h(k[t, h, j])
+                vc[p, h, o, j] = f2h(v[t, h, j])
 
 
 @njit(parallel=True, fastmath=False, cache=True)
@@ -177,8 +177,8 @@ def attention(q, qpos, qseq, qbatch, k, v, kpos, tables, seq_slots, window, scal
     memory is touched page by page (huge pages too). scratch: (threads, attention_scratch(64 *
     tables.shape[1], ...)).
 
-    In llama.cpp's float steps (f16 cache, no flash attention), so that the bits agree: q, k
-    and v hold f16 values (the caller rounds them). q . k and weights . v are sums of fma
+    In llama.cpp's float steps (f16 cache, no flash attention), so that the bits agree: q
+    holds f16 values (the caller rounds them), k and v are float16 (uint16 bits). q . k and weights . v are sums of fma
     chains, one per lane, reduced in _mm512_reduce_add_ps's tree: 16 lanes as tinyBLAS runs a
     batch (qbatch[t]), 64 folded to 16 as ggml_vec_dot_f16 runs one token (decode, and
     speculative verification, which must match decode). Softmax with ggml's exp, summed 16 at
