@@ -142,7 +142,7 @@ def scores16(d: int, lanes: int):
     qf[qo:qo+d] with 16 keys, key i's dim j at kf[ko + j*cap + i], summed as llama.cpp's f16
     dots sum (see runner.backends.kernels.attention): lanes = 16, one fma chain per lane j % 16
     (tinyBLAS); lanes = 64, chains j % 64 folded (0 + 2) + (1 + 3) (ggml_vec_dot_f16); then
-    _mm512_reduce_add_ps's tree. 16 keys at once: each value below is a vector over the keys,
+    _mm512_reduce_add_ps's tree; lanes = 1, one chain over the dims in order (simd_gemm). 16 keys at once: each value below is a vector over the keys,
     and every chain stays in registers. Written to out[oo:oo+16]."""
     @intrinsic
     def scores(typingctx, kf, ko, cap, qf, qo, out, oo):
@@ -168,11 +168,13 @@ def scores16(d: int, lanes: int):
                     acc = builder.call(fma, [key(j), qsplat(j), acc])
                 return acc
 
-            if lanes == 16:
+            if lanes == 1:      # one chain over the dims in order: ggml's simd_gemm (flash attention's tiles)
+                x = [chain(0)]
+            elif lanes == 16:
                 x = [chain(r) for r in range(16)]
             else:
                 x = [builder.fadd(builder.fadd(chain(r), chain(32 + r)), builder.fadd(chain(16 + r), chain(48 + r))) for r in range(16)]
-            for half in (8, 4, 2, 1):
+            for half in ((8, 4, 2, 1) if lanes > 1 else ()):
                 x = [builder.fadd(x[r], x[r + half]) for r in range(half)]
             builder.store(x[0], _vec_ptr(context, builder, sig.args[5], aout, aoo), align=4)
             return context.get_dummy_value()

@@ -7,7 +7,7 @@ import math
 import numpy as np
 from numba import get_thread_id, njit, prange
 
-from quant.intrin import add16, bits_f32, f2h, f32_bits, fma16, fma32, mul16, pv16, scores16
+from quant.intrin import add16, bits_f32, f2h, f32_bits, fma16, fma32, h2f, mul16, pv16, scores16
 
 f32 = np.float32
 _C = [f32(float.fromhex(h)) for h in ("0x1.8p23", "0x1.715476p+0", "0x1.7f7d1cp-20", "0x1.62e4p-1", "0x1.0e4020p-7",
@@ -316,3 +316,173 @@ def gelu_tanh_mul(gate, up, out):
     v = GELU_F16[gate.astype(np.float16).view(np.uint16)]
     v = np.where(gate <= -10, np.float32(0), np.where(gate >= 10, gate, v))
     np.multiply(v, up, out=out)
+
+
+_T64, _T128, _T256 = (scores16(d, 1) for d in (64, 128, 256))
+
+
+@njit(inline="always")
+def _scores_chain(d, kf, ko, cap, qf, qo, out, oo):
+    """16 scores, each one fma chain over the dims in order (simd_gemm's), any head size."""
+    if d == 64:
+        _T64(kf, ko, cap, qf, qo, out, oo)
+    elif d == 128:
+        _T128(kf, ko, cap, qf, qo, out, oo)
+    elif d == 256:
+        _T256(kf, ko, cap, qf, qo, out, oo)
+    else:
+        mul16(out, oo, kf, ko, qf[qo])
+        for j in range(1, d):
+            fma16(out, oo, kf, ko + j * cap, qf[qo + j])
+
+
+# a query's path through llama.cpp's CPU flash attention (ggml_compute_forward_flash_attn_ext_f16)
+FA_ONE, FA_VEC, FA_TILE = 0, 1, 2
+
+
+@njit(parallel=True, cache=True)
+def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window, scale, out, scratch, nth):
+    """Attention in the float steps of llama.cpp's CPU flash-attention kernel, f16 cache, to
+    the bit. Arguments as attention()'s (q (n_tok, n_head, d) float32, not rounded), but per
+    query the path llama.cpp takes for it: qmode FA_TILE (a batch of >= 64 tokens: q in
+    float32, 64-cell tiles, scores one fma chain over the dims, the tile's softmax with ggml's
+    exp summed in float64, values summed in float32 fma chains), FA_VEC (a smaller batch: q
+    rounded to f16, ggml_vec_dot_f16 scores, online softmax cell by cell with libm's expf
+    and the value sum kept in f16) or FA_ONE (one token: FA_VEC, but once the view has 512
+    cells or more its cells are split into nth chunks whose partial sums are merged in order,
+    as llama.cpp's nth threads do; its bits depend on nth as llama.cpp's do).
+
+    The cells llama.cpp's view holds are the sequence's slots written so far, padded to a
+    multiple of 256 (at least 256); cells past them, or that a query may not see, are
+    skipped as their -inf mask makes llama.cpp skip them. Work items: a query, a kv head and
+    a chunk of cells; the group's query heads run one after the other."""
+    n_tok, n_head, d = q.shape
+    n_kv, stride = k.shape[1], k.shape[3]
+    kpage, vpage = n_kv * d * stride, n_kv * 64 * d
+    group = n_head // n_kv
+    kf, vf = k.ravel(), v.ravel()
+    nek = np.empty(n_tok, np.int64)     # cells in llama.cpp's view
+    nch = np.ones(n_tok, np.int64)      # chunks they are split into
+    top = np.zeros(n_tok, np.int64)     # one past the last cell the query sees
+    pidx = np.full(n_tok, -1, np.int64) # its rows of part (split queries only)
+    n_split, n_items = 0, 0
+    for t in range(n_tok):
+        hi = seq_slots[qseq[t]]
+        nek[t] = max(256, -(-hi // 256) * 256)
+        tab = tables[qseq[t]]
+        for s in range(hi):
+            if _visible(kpos[_row(tab, s)], qpos[t], window):
+                top[t] = s + 1
+        if qmode[t] == FA_ONE and nek[t] >= 512:
+            nch[t] = nth
+            pidx[t] = n_split
+            n_split += 1
+        n_items += n_kv * nch[t]
+    part = np.zeros((max(n_split, 1), n_head, nth, d + 2), np.float32)   # per chunk: M, S, values
+    it = np.empty((n_items, 3), np.int64)
+    i = 0
+    for t in range(n_tok):
+        for g in range(n_kv):
+            for c in range(nch[t]):
+                it[i, 0], it[i, 1], it[i, 2] = t, g, c
+                i += 1
+    for i in prange(n_items):
+        t, g, c = it[i, 0], it[i, 1], it[i, 2]
+        tab = tables[qseq[t]]
+        size = -(-nek[t] // nch[t])
+        c0, c1 = c * size, min((c + 1) * size, nek[t], top[t])
+        buf = scratch[get_thread_id()]
+        qb, P, acc = buf[:d], buf[d:d + 64], buf[d + 64:2 * d + 64]
+        p1 = qpos[t]
+        tile = qmode[t] == FA_TILE
+        for e in range(group):
+            h = g * group + e
+            for j in range(d):
+                qb[j] = q[t, h, j] if tile else h2f(f2h(q[t, h, j]))
+                acc[j] = 0
+            M, S = f32(-np.inf), f32(0)     # float32 throughout: exp of a float64 would round differently
+            if tile:
+                for b0 in range(0, top[t], 64):          # a tile of 64 cells (one page)
+                    k0 = tab[b0 >> 6] * kpage + g * d * stride
+                    tmax = f32(-np.inf)
+                    for c16 in range(0, 64, 16):
+                        _scores_chain(d, kf, k0 + c16, stride, qb, 0, P, c16)
+                    for cc in range(64):
+                        if b0 + cc < top[t] and _visible(kpos[_row(tab, b0 + cc)], p1, window):
+                            P[cc] = P[cc] * scale
+                            tmax = max(tmax, P[cc])
+                        else:
+                            P[cc] = f32(-np.inf)
+                    if tmax == -np.inf:
+                        continue
+                    if tmax > M:
+                        ms = f32(math.exp(M - tmax))
+                        for j in range(d):
+                            acc[j] = acc[j] * ms
+                        S = S * ms
+                        M = tmax
+                    total = 0.0
+                    for c16 in range(0, 64, 16):
+                        x = P[c16:c16 + 16]
+                        for cc in range(16):
+                            x[cc] = expf(x[cc] - M)
+                        total += np.float64(((x[8] + x[0]) + (x[12] + x[4])) + ((x[10] + x[2]) + (x[14] + x[6]))
+                                            + (((x[9] + x[1]) + (x[13] + x[5])) + ((x[11] + x[3]) + (x[15] + x[7]))))
+                    S = f32(np.float64(S) + total)
+                    v0 = tab[b0 >> 6] * vpage + g * 64 * d
+                    for cc in range(64):
+                        w = P[cc]
+                        vr = vf[v0 + cc * d:v0 + cc * d + d]
+                        for j in range(d):
+                            acc[j] = fma32(h2f(vr[j]), w, acc[j])
+            else:
+                for b0 in range(c0 - (c0 & 15), c1, 16):
+                    k0 = tab[b0 >> 6] * kpage + g * d * stride + (b0 & 63)
+                    _scores(d, False, kf, k0, stride, qb, 0, P, 0)
+                    for cc in range(16):
+                        s = b0 + cc
+                        if s < c0 or s >= c1 or not _visible(kpos[_row(tab, s)], p1, window):
+                            continue
+                        sv = P[cc] * scale
+                        ms, vs = f32(1), f32(1)
+                        if sv > M:
+                            ms = f32(math.exp(M - sv))
+                            M = sv
+                            for j in range(d):
+                                acc[j] = h2f(f2h(acc[j] * ms))
+                        else:
+                            vs = f32(math.exp(sv - M))
+                        r = _row(tab, s)
+                        v0 = (r >> 6) * vpage + g * 64 * d + (r & 63) * d
+                        vr = vf[v0:v0 + d]
+                        for j in range(d):
+                            acc[j] = h2f(f2h(fma32(h2f(vr[j]), vs, acc[j])))
+                        S = fma32(S, ms, vs)
+            if pidx[t] >= 0:
+                pr = part[pidx[t], h, c]
+                pr[0], pr[1] = M, S
+                for j in range(d):
+                    pr[2 + j] = acc[j]
+            else:
+                inv = f32(0) if S == 0 else f32(1) / S
+                for j in range(d):
+                    out[t, h, j] = acc[j] * inv
+    for t in range(n_tok):          # merge the chunks of split queries, in order
+        if pidx[t] < 0:
+            continue
+        for h in range(n_head):
+            M, S = f32(-np.inf), f32(0)
+            acc = np.zeros(d, np.float32)
+            for c in range(nch[t]):
+                pr = part[pidx[t], h, c]
+                if pr[1] == 0:
+                    continue
+                mn = max(M, pr[0])
+                so, sn = f32(math.exp(M - mn)), f32(math.exp(pr[0] - mn))
+                for j in range(d):
+                    acc[j] = fma32(acc[j], so, pr[2 + j] * sn)
+                S = fma32(S, so, pr[1] * sn)
+                M = mn
+            inv = f32(1) / S if S != 0 else f32(1)
+            for j in range(d):
+                out[t, h, j] = acc[j] * inv
