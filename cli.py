@@ -58,6 +58,9 @@ DraftMaxOpt = Annotated[Optional[int], typer.Option(
 LookupOpt = Annotated[bool, typer.Option(
     "--lookup", help="Speculative decoding without a draft: guess what followed the last n-gram earlier in the text.")]
 LookupNgramOpt = Annotated[Optional[int], typer.Option("--lookup-ngram", help="Longest n-gram --lookup matches (default 3).")]
+FlashOpt = Annotated[str, typer.Option(
+    "--flash-attn", "-fa", help="Flash attention on|off|auto, as llama.cpp's (auto: on, as its CPU backend "
+    "does); numbat follows either path's arithmetic to the bit.")]
 
 
 class UserError(Exception):
@@ -88,10 +91,17 @@ def _download_progress():
     return update, bar
 
 
-def _load(model: str | None, threads: int | None = None):
+def _flash(fa: str) -> bool:
+    if fa not in ("on", "off", "auto"):
+        raise UserError(f"-fa/--flash-attn must be on, off or auto, got {fa!r}")
+    return fa != "off"
+
+
+def _load(model: str | None, threads: int | None = None, fa: str = "auto"):
     from runner.model import load
     if threads is not None and threads < 1:
         raise UserError(f"-t/--threads must be at least 1, got {threads}")
+    flash = _flash(fa)
     name = model or catalog.DEFAULT_MODEL
     if name in catalog.CATALOG and not catalog.is_cached(name):
         err.print(f"pulling {name} (first use)")
@@ -101,10 +111,10 @@ def _load(model: str | None, threads: int | None = None):
     try:
         if first:
             with err.status("compiling kernels (first run only, about a minute)"):
-                m = load(name, update, threads)
+                m = load(name, update, threads, flash)
                 _warm(m)
         else:
-            m = load(name, update, threads)
+            m = load(name, update, threads, flash)
     finally:
         bar.stop()
     return m
@@ -150,7 +160,7 @@ def _speculation(draft, draft_max, lookup, lookup_ngram):
         return lambda m, n_ctx, threads: PromptLookup(n, k)
     if lookup_ngram is not None:
         raise UserError("--lookup-ngram needs --lookup")
-    return lambda m, n_ctx, threads: DraftModel(m, _load(draft, threads), n_ctx, k)
+    return lambda m, n_ctx, threads: DraftModel(m, _load(draft, threads, 'on' if m.backend.flash else 'off'), n_ctx, k)
 
 
 def _spec_line(spec) -> str:
@@ -304,7 +314,7 @@ def tokenize(args: Annotated[Optional[list[str]], typer.Argument(help="[MODEL] T
 def perplexity(model: ModelArg = None,
                file: Annotated[Path, typer.Option("--file", "-f", help="Text file to score.")] = ...,
                ctx: Annotated[int, typer.Option("--ctx", "-c", help="Chunk size in tokens.")] = 512,
-               threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None):
+               threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto"):
     """Perplexity of a text, by llama.cpp's method (last line: PPL = value +/- error)."""
     from runner.perplexity import perplexity as ppl
     if ctx < 8:
@@ -313,7 +323,7 @@ def perplexity(model: ModelArg = None,
         text = file.read_text(encoding="utf-8")
     except OSError as e:
         raise UserError(f"cannot read {file}: {e.strerror}") from None
-    m = _load(model, threads)
+    m = _load(model, threads, fa)
     ids = m.tokenizer.encode(text)
     try:
         r = ppl(m, ids, ctx, progress=lambda c, n, p: err.print(f"[{c}/{n}] {p:.4f}"))
@@ -367,7 +377,7 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
            repeat_penalty: Annotated[float, typer.Option("--repeat-penalty")] = 1.0,
            seed: Annotated[Optional[int], typer.Option("--seed", help="Makes sampling reproducible.")] = None,
            ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context length (default 4096).")] = None,
-           threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None,
+           threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto",
            stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at this text (repeatable).")] = None,
            system: Annotated[Optional[str], typer.Option("--system", help="System prompt.")] = None,
            raw: Annotated[bool, typer.Option("--raw", help="Plain continuation, no chat template.")] = False,
@@ -391,7 +401,7 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
     speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
     spec = _constraint(schema, json_object, grammar, regex, speculation)
     text = _read_text(text)
-    m = _load(model, threads)
+    m = _load(model, threads, fa)
     if spec:
         _start(spec, sampler, m.tokenizer)
     ids = m.encode_prompt(text, system=system, raw=raw)
@@ -444,7 +454,7 @@ def chat(model: ModelArg = None,
          repeat_penalty: Annotated[float, typer.Option("--repeat-penalty")] = 1.0,
          seed: Annotated[Optional[int], typer.Option("--seed")] = None,
          ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context length (default 4096).")] = None,
-         threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None,
+         threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto",
          draft: DraftOpt = None, draft_max: DraftMaxOpt = None, lookup: LookupOpt = False,
          lookup_ngram: LookupNgramOpt = None,
          schema: SchemaOpt = None, json_object: JsonObjectOpt = False, grammar: GrammarOpt = None,
@@ -458,7 +468,7 @@ def chat(model: ModelArg = None,
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
     speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
     spec = _constraint(schema, json_object, grammar, regex, speculation)
-    m = _load(model, threads)
+    m = _load(model, threads, fa)
     n_ctx = m.context_length(ctx)
     s = ChatSession(m, sampler, n_ctx, system, speculation(m, n_ctx, threads) if speculation else None)
     out = Console(highlight=False)
@@ -523,7 +533,7 @@ def bench(model: ModelArg = None,
           n_prompt: Annotated[int, typer.Option("--n-prompt", "-p", help="Prompt tokens (test ppN).")] = 512,
           n_gen: Annotated[int, typer.Option("--n-gen", "-n", help="Generated tokens (test tgN).")] = 128,
           reps: Annotated[int, typer.Option("--repetitions", "-r", help="Runs per test.")] = 3,
-          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None,
+          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto",
           as_json: Annotated[bool, typer.Option("--json", help="One JSON object per test, per line.")] = False,
           draft: DraftOpt = None, draft_max: DraftMaxOpt = None, lookup: LookupOpt = False,
           lookup_ngram: LookupNgramOpt = None):
@@ -534,7 +544,7 @@ def bench(model: ModelArg = None,
     if n_prompt < 0 or n_gen < 0 or reps < 1:
         raise UserError("-p and -n must be >= 0 and -r >= 1")
     speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
-    m = _load(model, threads)
+    m = _load(model, threads, fa)
     rng = np.random.default_rng(0)
     cache = m.make_cache(max(n_prompt, n_gen) + 1)
     rows = []
@@ -641,7 +651,7 @@ def batch(args: Annotated[list[str], typer.Argument(help="[MODEL] INPUT.jsonl; I
           seed: Annotated[Optional[int], typer.Option("--seed", help="Run seed: records without their own seed derive one from it and their id.")] = None,
           system: Annotated[Optional[str], typer.Option("--system", help="System prompt for records without one.")] = None,
           ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context per record (default 4096).")] = None,
-          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None,
+          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto",
           metrics: Annotated[Optional[Path], typer.Option("--metrics", help="Write the run's metrics as JSON here.")] = None,
           shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: only the records whose id hashes to shard I of N (1-based).")] = None,
           no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache", help="Compute every prompt in full.")] = False,
@@ -673,7 +683,7 @@ def batch(args: Annotated[list[str], typer.Argument(help="[MODEL] INPUT.jsonl; I
         raise UserError(f"input file {path} does not exist")
     if output.is_dir():
         raise UserError(f"-o {output} is a directory: give a file path")
-    m = _load(model, threads)
+    m = _load(model, threads, fa)
     n_ctx = m.context_length(ctx)
     defaults = B.Defaults(max_tokens, temp, top_k, top_p, min_p, repeat_penalty, seed, system)
     meta = {"model": m.name, "model_bytes": m.path.stat().st_size, "defaults": vars(defaults) | {"ctx": n_ctx},

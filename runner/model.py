@@ -70,7 +70,9 @@ class Model:
         return min(n_ctx or DEFAULT_CTX, self.cfg.n_ctx_train)
 
 
-def load(model: str, progress: catalog.Progress | None = None, threads: int | None = None) -> Model:
+def load(model: str, progress: catalog.Progress | None = None, threads: int | None = None,
+         flash: bool = True) -> Model:
+    """flash: llama.cpp's flash-attention arithmetic (its CPU default, -fa auto/on), else -fa off's."""
     path = resolve(model, progress)
     try:
         f = open_gguf(path)
@@ -88,7 +90,7 @@ def load(model: str, progress: catalog.Progress | None = None, threads: int | No
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     from runner.backends.numba_cpu import NumbaCPU
     try:
-        backend = NumbaCPU(f, cfg)
+        backend = NumbaCPU(f, cfg, flash=flash)
     except (quant.UnsupportedType, GGUFError) as e:
         raise ModelError(f"{path}: {e}") from None
     return Model(model, path, f, cfg, tok, template, backend)

@@ -37,11 +37,16 @@ POS0_TOL = 1e-5
 TOL = {"F32": 1e-3, "F16": 3e-3, "Q8_0": 5e-2, "Q4_0": 5e-2}
 
 
+# fixtures with flash attention off (model_tiny_<arch>.npz) and on (..._fa.npz)
+FA = {False: "", True: "_fa"}
+
+
 def cases():
     out = []
     for arch in ARCHS:
-        with np.load(FIXTURES / f"model_tiny_{arch}.npz") as z:
-            out += [(arch, t) for t in z.files if t not in ("ids", "kwargs")]
+        for fa, suffix in FA.items():
+            with np.load(FIXTURES / f"model_tiny_{arch}{suffix}.npz") as z:
+                out += [(arch, t, fa) for t in z.files if t not in ("ids", "kwargs")]
     return out
 
 
@@ -49,15 +54,16 @@ def cases():
 def fixtures():
     data = {}
     for arch in ARCHS:
-        with np.load(FIXTURES / f"model_tiny_{arch}.npz") as z:
-            data[arch] = {k: z[k] for k in z.files}
+        for fa, suffix in FA.items():
+            with np.load(FIXTURES / f"model_tiny_{arch}{suffix}.npz") as z:
+                data[arch, fa] = {k: z[k] for k in z.files}
     return data
 
 
-def build(tmp_path, fx, wtype):
+def build(tmp_path, fx, wtype, flash):
     kw = json.loads(str(fx["kwargs"]))
     path = write_tiny_model(tmp_path / f"{kw['arch']}-{wtype}.gguf", weight_type=GGMLQuantizationType[wtype], **kw)
-    return load(str(path))
+    return load(str(path), flash=flash)
 
 
 def check(ours: np.ndarray, ref: np.ndarray, label: str) -> None:
@@ -68,18 +74,18 @@ def check(ours: np.ndarray, ref: np.ndarray, label: str) -> None:
     assert err.max() <= TOL[wtype], f"{label}: max relative logit error {err.max():.2e} at position {err.argmax()}"
 
 
-@pytest.mark.parametrize("arch,wtype", cases())
-def test_batch_logits_match_llama_cpp(tmp_path, fixtures, arch, wtype):
-    fx = fixtures[arch]
-    m = build(tmp_path, fx, wtype)
+@pytest.mark.parametrize("arch,wtype,fa", cases())
+def test_batch_logits_match_llama_cpp(tmp_path, fixtures, arch, wtype, fa):
+    fx = fixtures[arch, fa]
+    m = build(tmp_path, fx, wtype, fa)
     ours = m.backend.forward(fx["ids"].tolist(), m.backend.make_cache(64), logits="all")
     check(ours, fx[wtype], f"{arch} {wtype} batch")
 
 
-@pytest.mark.parametrize("arch,wtype", cases())
-def test_token_by_token_logits_match_llama_cpp(tmp_path, fixtures, arch, wtype):
-    fx = fixtures[arch]
-    m = build(tmp_path, fx, wtype)
+@pytest.mark.parametrize("arch,wtype,fa", cases())
+def test_token_by_token_logits_match_llama_cpp(tmp_path, fixtures, arch, wtype, fa):
+    fx = fixtures[arch, fa]
+    m = build(tmp_path, fx, wtype, fa)
     cache = m.backend.make_cache(64)
     ours = np.concatenate([m.backend.forward([t], cache, logits="last").copy() for t in fx["ids"].tolist()])
     assert cache.n_past == len(fx["ids"])
@@ -87,23 +93,24 @@ def test_token_by_token_logits_match_llama_cpp(tmp_path, fixtures, arch, wtype):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_small_chunks_and_wrapping_window_match_llama_cpp(tmp_path, fixtures, arch):
+@pytest.mark.parametrize("fa", [False, True])
+def test_small_chunks_and_wrapping_window_match_llama_cpp(tmp_path, fixtures, arch, fa):
     # prefill chunks of 5 (not a divisor of 24): each chunk attends to keys cached by the
     # previous ones; gemma3's sliding layers then hold 8 + 5 slots, so the ring wraps
-    fx = fixtures[arch]
-    m = build(tmp_path, fx, "F32")
-    backend = NumbaCPU(m.file, m.cfg, chunk=5)
+    fx = fixtures[arch, fa]
+    m = build(tmp_path, fx, "F32", fa)
+    backend = NumbaCPU(m.file, m.cfg, chunk=5, flash=fa)
     cache = backend.make_cache(64)
     if arch == "gemma3":
         assert min(lc.cap for lc in cache.layers) < len(fx["ids"])
     ours = backend.forward(fx["ids"].tolist(), cache, logits="all")
-    check(ours, fx["F32"], f"{arch} F32 chunk=5")
+    check(ours, fx["F32"], f"{arch} F32 chunk=5 fa={fa}")
 
 
 def test_fixture_logits_are_informative(fixtures):
     # near-constant logits would let a broken forward pass
-    for arch in ARCHS:
-        for k, v in fixtures[arch].items():
+    for key, fx in fixtures.items():
+        for k, v in fx.items():
             if k not in ("ids", "kwargs"):
-                assert v.std(axis=1).min() > 0.5, (arch, k)
-                assert len(set(v.argmax(1).tolist())) > len(v) // 2, (arch, k)
+                assert v.std(axis=1).min() > 0.5, (key, k)
+                assert len(set(v.argmax(1).tolist())) > len(v) // 2, (key, k)

@@ -54,9 +54,10 @@ def f16_round(x):
 
 
 @njit(cache=True)
-def rope_store(q, k, v, positions, theta_scale, freq_scale, freq_factors, neox, slots, kc, vc, q_scale):
+def rope_store(q, k, v, positions, theta_scale, freq_scale, freq_factors, neox, slots, kc, vc, q_scale, round_q):
     """One layer's new tokens into its cache: RoPE on q (n, n_head, d) and k (n, n_kv, d),
-    q times q_scale and rounded to f16 in place, and k and v (n, n_kv, d) stored as float16
+    q times q_scale (and, with round_q, rounded to f16: the mul_mat path's conversion) in
+    place, and k and v (n, n_kv, d) stored as float16
     (uint16 bits) at their slots of kc and vc, as llama.cpp's f16 cache holds them. One
     serial call: decode's few tokens do not pay for starting threads, nor for five numpy
     steps. Slot s is row s % 64 of page s // 64 (kc: (pages, n_kv, d, >= 64), vc: (pages,
@@ -66,7 +67,8 @@ def rope_store(q, k, v, positions, theta_scale, freq_scale, freq_factors, neox, 
     for t in range(q.shape[0]):
         for h in range(q.shape[1]):
             for j in range(q.shape[2]):
-                q[t, h, j] = f16_round(q[t, h, j] * q_scale)
+                x = q[t, h, j] * q_scale
+                q[t, h, j] = f16_round(x) if round_q else x
         p, o = slots[t] >> 6, slots[t] & 63
         for h in range(k.shape[1]):
             for j in range(k.shape[2]):
@@ -353,8 +355,10 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
     as llama.cpp's nth threads do; its bits depend on nth as llama.cpp's do).
 
     The cells llama.cpp's view holds are the sequence's slots written so far, padded to a
-    multiple of 256 (at least 256); cells past them, or that a query may not see, are
-    skipped as their -inf mask makes llama.cpp skip them. Work items: a query, a kv head and
+    multiple of 256 (at least 256); for FA_ONE, those written up to the query's own token, so
+    that speculative verification (a query per draft token) splits each as its decode did.
+    Cells past them, or that a query may not see, are skipped as their -inf mask makes
+    llama.cpp skip them. Work items: a query, a kv head and
     a chunk of cells; the group's query heads run one after the other."""
     n_tok, n_head, d = q.shape
     n_kv, stride = k.shape[1], k.shape[3]
@@ -367,12 +371,15 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
     pidx = np.full(n_tok, -1, np.int64) # its rows of part (split queries only)
     n_split, n_items = 0, 0
     for t in range(n_tok):
-        hi = seq_slots[qseq[t]]
-        nek[t] = max(256, -(-hi // 256) * 256)
         tab = tables[qseq[t]]
-        for s in range(hi):
-            if _visible(kpos[_row(tab, s)], qpos[t], window):
+        used = 0        # cells a decode of this token alone would have written: not later tokens'
+        for s in range(seq_slots[qseq[t]]):
+            p0 = kpos[_row(tab, s)]
+            if _visible(p0, qpos[t], window):
                 top[t] = s + 1
+            if 0 <= p0 <= qpos[t]:
+                used = s + 1
+        nek[t] = max(256, -(-used // 256) * 256)
         if qmode[t] == FA_ONE and nek[t] >= 512:
             nch[t] = nth
             pidx[t] = n_split
@@ -392,7 +399,7 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
         size = -(-nek[t] // nch[t])
         c0, c1 = c * size, min((c + 1) * size, nek[t], top[t])
         buf = scratch[get_thread_id()]
-        qb, P, acc = buf[:d], buf[d:d + 64], buf[d + 64:2 * d + 64]
+        qb, acc, P = buf[:d], buf[d:2 * d], buf[2 * d:2 * d + 64 * 16]    # P: 64 lanes of 16 scores
         p1 = qpos[t]
         tile = qmode[t] == FA_TILE
         for e in range(group):
@@ -438,7 +445,16 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
             else:
                 for b0 in range(c0 - (c0 & 15), c1, 16):
                     k0 = tab[b0 >> 6] * kpage + g * d * stride + (b0 & 63)
-                    _scores(d, False, kf, k0, stride, qb, 0, P, 0)
+                    if not _scores(d, False, kf, k0, stride, qb, 0, P, 0):
+                        for j in range(d):      # other head sizes: ggml_vec_dot_f16's lanes, through memory
+                            if j < 64:
+                                mul16(P, j * 16, kf, k0 + j * stride, qb[j])
+                            else:
+                                fma16(P, (j % 64) * 16, kf, k0 + j * stride, qb[j])
+                        if d < 64:
+                            P[d * 16:] = 0
+                        _fold(P, 0, 16)
+                        _tree(P, 0, 16)
                     for cc in range(16):
                         s = b0 + cc
                         if s < c0 or s >= c1 or not _visible(kpos[_row(tab, s)], p1, window):

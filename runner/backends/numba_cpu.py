@@ -97,11 +97,15 @@ class Layer:
 class NumbaCPU:
     name = "numba-cpu"
 
-    def __init__(self, f: GGUFFile, cfg: ModelConfig, chunk: int = 512, max_tokens: int | None = None):
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, chunk: int = 512, max_tokens: int | None = None,
+                 flash: bool = True):
         from gguf_io.validate import validate; validate(f, cfg)  # noqa: E702  untrusted file: shapes proven before any kernel runs
         # chunk: llama.cpp's batch size for one sequence's prompt; max_tokens: the most tokens
         # one run() takes (a batch engine's step: a prompt chunk and other sequences' tokens)
         self.cfg, self.chunk, self.max_tokens = cfg, chunk, max_tokens or chunk + 64
+        # flash: llama.cpp's flash-attention kernel (its default on the CPU), else its
+        # mul_mat + soft_max path; both to the bit (see K.flash_attention, K.attention)
+        self.flash = flash
         for t in f.tensors.values():
             quant.qtype(t.type_id)   # unsupported types fail at load, with the type named
 
@@ -233,8 +237,11 @@ class NumbaCPU:
         # 1/sqrt(head_dim) on the scores, or on q before its f16 rounding (gemma3), as llama.cpp
         q_scale, kq_scale = (np.float32(hd ** -0.5), np.float32(1)) if c.scale_q else (np.float32(1), np.float32(hd ** -0.5))
         qbatch = np.zeros(n, np.bool_)
+        qmode = np.full(n, K.FA_ONE, np.int8)      # flash attention's path: llama.cpp's by batch size
         for a, e, bt in segs:
             qbatch[a:e] = bt
+            if bt:
+                qmode[a:e] = K.FA_TILE if e - a >= 64 else K.FA_VEC
         x, h, o = self.x[:n], self.h[:n], self.o[:n]
         q, k, v, attn = self.q[:n], self.k[:n], self.v[:n], self.attn[:n]
         g, u = self.g[:n], self.u[:n]
@@ -251,9 +258,14 @@ class NumbaCPU:
                 K.rms_norm(k3.reshape(-1, hd), L.k_norm, c.norm_eps, k3.reshape(-1, hd))
             # the cache holds f16 values, as llama.cpp's default f16 cache does (see K.attention)
             K.rope_store(q3, k3, v.reshape(n, c.n_head_kv, hd), b.positions, L.theta_scale, self.freq_scale,
-                         self.freq_factors, c.rope_neox, lk.slots, lk.k, lk.v, q_scale)
-            K.attention(q3, b.positions, b.seq, qbatch, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
-                        kq_scale, attn.reshape(n, c.n_head, hd), self.scratch, numba.get_num_threads())
+                         self.freq_factors, c.rope_neox, lk.slots, lk.k, lk.v, q_scale, not self.flash)
+            if self.flash:
+                K.flash_attention(q3, b.positions, b.seq, qmode, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots,
+                                  L.window, kq_scale, attn.reshape(n, c.n_head, hd), self.scratch,
+                                  numba.get_num_threads())
+            else:
+                K.attention(q3, b.positions, b.seq, qbatch, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
+                            kq_scale, attn.reshape(n, c.n_head, hd), self.scratch, numba.get_num_threads())
             for a, e, bt in segs:
                 L.wo(attn[a:e], o[a:e], batch=bt)
             if L is self.layers[-1] and b.out is not None:

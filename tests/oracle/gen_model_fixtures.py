@@ -10,7 +10,7 @@
   rebuilds the very same files.
 
 Dev-only (needs llama-cpp-python==0.3.36). Run from the repo root:
-    python tests/oracle/gen_model_fixtures.py [--real-only | --tiny-only | --greedy-top]
+    python tests/oracle/gen_model_fixtures.py [--real-only | --tiny-only | --greedy-top | --flash]
 (--greedy-top adds only the top logits of each greedy step to the real-model fixtures).
 """
 from __future__ import annotations
@@ -114,7 +114,7 @@ def greedy_top_logits() -> None:
     for name, filename in REAL.items():
         out = FIXTURES / filename
         fixture = json.loads(out.read_text(encoding="utf-8"))
-        llm = llama_cpp.Llama(model_path=str(fetch(name)), n_ctx=N_CTX, n_threads=2, logits_all=True,
+        llm = llama_cpp.Llama(model_path=str(fetch(name)), n_ctx=N_CTX, n_threads=2, logits_all=True, flash_attn=False,
                               verbose=False)
         for case in fixture["greedy"]:
             new = oracle_greedy(llm, case["prompt_ids"])
@@ -135,7 +135,7 @@ def real_fixtures() -> None:
     text = (FIXTURES / "ppl_text.txt").read_text(encoding="utf-8")
     for name, filename in REAL.items():
         print(name, flush=True)
-        llm = llama_cpp.Llama(model_path=str(fetch(name)), n_ctx=N_CTX, n_threads=2, logits_all=True,
+        llm = llama_cpp.Llama(model_path=str(fetch(name)), n_ctx=N_CTX, n_threads=2, logits_all=True, flash_attn=False,
                               verbose=False)
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         add_bos = bool(llama_cpp.llama_vocab_get_add_bos(vocab))
@@ -155,28 +155,54 @@ def real_fixtures() -> None:
         del llm
 
 
+LONG_PROMPT = 300   # a greedy prompt of the text's first ids: its decode steps see 512 cells (split over threads)
+
+
+def flash_fixtures() -> None:
+    """tests/fixtures/model_<name>_fa.json: perplexity and greedy continuations with flash
+    attention on (llama.cpp's tools' default), 2 threads (its one-token steps past 256 cells
+    split the cells between threads); the greedy prompts and one of LONG_PROMPT text ids."""
+    for name, filename in REAL.items():
+        base = json.loads((FIXTURES / filename).read_text(encoding="utf-8"))
+        llm = llama_cpp.Llama(model_path=str(fetch(name)), n_ctx=N_CTX, n_threads=2, n_threads_batch=2,
+                              logits_all=True, flash_attn=True, verbose=False)
+        ids, bos = base["text_ids"], int(llama_cpp.llama_vocab_bos(llama_cpp.llama_model_get_vocab(llm.model)))
+        prompts = [(c["prompt"], c["prompt_ids"]) for c in base["greedy"]] + [(None, ids[:LONG_PROMPT])]
+        fixture = {"model": name, "oracle": f"llama-cpp-python {llama_cpp.__version__}", "flash_attn": True,
+                   "n_threads": 2, "perplexity": oracle_perplexity(llm, ids, base["add_bos"], bos),
+                   "greedy": [{"prompt": p, **oracle_greedy(llm, pids)} for p, pids in prompts]}
+        print(f"  ppl {fixture['perplexity']['ppl']:.4f}", flush=True)
+        _write(FIXTURES / filename.replace(".json", "_fa.json"), fixture)
+        del llm
+
+
 def tiny_ids(seed: int) -> list[int]:
     rng = np.random.default_rng(seed)
     return [1] + rng.integers(3, 384, TINY_LEN - 1).tolist()   # BOS, then anything but controls
 
 
-def tiny_fixtures() -> None:
+def tiny_fixtures(flash: bool = False) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for arch, (kw, types) in TINY.items():
             ids = tiny_ids(kw["seed"])
             arrays = {"ids": np.asarray(ids, np.int32), "kwargs": np.asarray(json.dumps(kw))}
             for t in types:
                 path = write_tiny_model(Path(tmp) / f"{arch}-{t}.gguf", weight_type=GGMLQuantizationType[t], **kw)
-                llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, logits_all=True, verbose=False)
+                llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, logits_all=True,
+                                      flash_attn=flash, verbose=False)
                 llm.eval(ids)
                 arrays[t] = np.asarray(llm.scores[:len(ids)], np.float32).copy()
                 del llm
-            out = FIXTURES / f"model_tiny_{arch}.npz"
+            out = FIXTURES / f"model_tiny_{arch}{'_fa' if flash else ''}.npz"
             np.savez_compressed(out, **arrays)
             print(f"wrote {out} ({out.stat().st_size} bytes)", flush=True)
 
 
 if __name__ == "__main__":
+    if "--flash" in sys.argv:       # the flash-attention fixtures only
+        tiny_fixtures(flash=True)
+        flash_fixtures()
+        sys.exit()
     if "--greedy-top" in sys.argv:
         greedy_top_logits()
         sys.exit()
