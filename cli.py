@@ -61,6 +61,8 @@ LookupNgramOpt = Annotated[Optional[int], typer.Option("--lookup-ngram", help="L
 FlashOpt = Annotated[str, typer.Option(
     "--flash-attn", "-fa", help="Flash attention on|off|auto, as llama.cpp's (auto: on, as its CPU backend "
     "does); numbat follows either path's arithmetic to the bit.")]
+CtkOpt = Annotated[str, typer.Option("--cache-type-k", "-ctk", help="KV cache type for K: f16, q8_0 or q4_0 (llama.cpp's).")]
+CtvOpt = Annotated[str, typer.Option("--cache-type-v", "-ctv", help="KV cache type for V: f16, q8_0 or q4_0 (needs -fa on).")]
 
 
 class UserError(Exception):
@@ -97,11 +99,17 @@ def _flash(fa: str) -> bool:
     return fa != "off"
 
 
-def _load(model: str | None, threads: int | None = None, fa: str = "auto"):
+def _load(model: str | None, threads: int | None = None, fa: str = "auto", types: tuple[str, str] = ("f16", "f16")):
+    from runner.kv_cache import CACHE_TYPES
     from runner.model import load
     if threads is not None and threads < 1:
         raise UserError(f"-t/--threads must be at least 1, got {threads}")
     flash = _flash(fa)
+    for flag, t in zip(("-ctk/--cache-type-k", "-ctv/--cache-type-v"), types):
+        if t not in CACHE_TYPES:
+            raise UserError(f"{flag} must be one of {', '.join(CACHE_TYPES)}, got {t!r}")
+    if types != ("f16", "f16") and fa == "off":
+        raise UserError("a quantized KV cache needs flash attention: drop -fa off (llama.cpp needs it for V too)")
     name = model or catalog.DEFAULT_MODEL
     if name in catalog.CATALOG and not catalog.is_cached(name):
         err.print(f"pulling {name} (first use)")
@@ -111,10 +119,10 @@ def _load(model: str | None, threads: int | None = None, fa: str = "auto"):
     try:
         if first:
             with err.status("compiling kernels (first run only, about a minute)"):
-                m = load(name, update, threads, flash)
+                m = load(name, update, threads, flash, types)
                 _warm(m)
         else:
-            m = load(name, update, threads, flash)
+            m = load(name, update, threads, flash, types)
     finally:
         bar.stop()
     return m
@@ -160,7 +168,7 @@ def _speculation(draft, draft_max, lookup, lookup_ngram):
         return lambda m, n_ctx, threads: PromptLookup(n, k)
     if lookup_ngram is not None:
         raise UserError("--lookup-ngram needs --lookup")
-    return lambda m, n_ctx, threads: DraftModel(m, _load(draft, threads, 'on' if m.backend.flash else 'off'), n_ctx, k)
+    return lambda m, n_ctx, threads: DraftModel(m, _load(draft, threads, 'on' if m.backend.flash else 'off', m.backend.cache_types), n_ctx, k)
 
 
 def _spec_line(spec) -> str:
@@ -314,7 +322,7 @@ def tokenize(args: Annotated[Optional[list[str]], typer.Argument(help="[MODEL] T
 def perplexity(model: ModelArg = None,
                file: Annotated[Path, typer.Option("--file", "-f", help="Text file to score.")] = ...,
                ctx: Annotated[int, typer.Option("--ctx", "-c", help="Chunk size in tokens.")] = 512,
-               threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto"):
+               threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16"):
     """Perplexity of a text, by llama.cpp's method (last line: PPL = value +/- error)."""
     from runner.perplexity import perplexity as ppl
     if ctx < 8:
@@ -323,7 +331,7 @@ def perplexity(model: ModelArg = None,
         text = file.read_text(encoding="utf-8")
     except OSError as e:
         raise UserError(f"cannot read {file}: {e.strerror}") from None
-    m = _load(model, threads, fa)
+    m = _load(model, threads, fa, (ctk, ctv))
     ids = m.tokenizer.encode(text)
     try:
         r = ppl(m, ids, ctx, progress=lambda c, n, p: err.print(f"[{c}/{n}] {p:.4f}"))
@@ -377,7 +385,7 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
            repeat_penalty: Annotated[float, typer.Option("--repeat-penalty")] = 1.0,
            seed: Annotated[Optional[int], typer.Option("--seed", help="Makes sampling reproducible.")] = None,
            ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context length (default 4096).")] = None,
-           threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto",
+           threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16",
            stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at this text (repeatable).")] = None,
            system: Annotated[Optional[str], typer.Option("--system", help="System prompt.")] = None,
            raw: Annotated[bool, typer.Option("--raw", help="Plain continuation, no chat template.")] = False,
@@ -401,7 +409,7 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
     speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
     spec = _constraint(schema, json_object, grammar, regex, speculation)
     text = _read_text(text)
-    m = _load(model, threads, fa)
+    m = _load(model, threads, fa, (ctk, ctv))
     if spec:
         _start(spec, sampler, m.tokenizer)
     ids = m.encode_prompt(text, system=system, raw=raw)
@@ -454,7 +462,7 @@ def chat(model: ModelArg = None,
          repeat_penalty: Annotated[float, typer.Option("--repeat-penalty")] = 1.0,
          seed: Annotated[Optional[int], typer.Option("--seed")] = None,
          ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context length (default 4096).")] = None,
-         threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto",
+         threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16",
          draft: DraftOpt = None, draft_max: DraftMaxOpt = None, lookup: LookupOpt = False,
          lookup_ngram: LookupNgramOpt = None,
          schema: SchemaOpt = None, json_object: JsonObjectOpt = False, grammar: GrammarOpt = None,
@@ -468,7 +476,7 @@ def chat(model: ModelArg = None,
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
     speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
     spec = _constraint(schema, json_object, grammar, regex, speculation)
-    m = _load(model, threads, fa)
+    m = _load(model, threads, fa, (ctk, ctv))
     n_ctx = m.context_length(ctx)
     s = ChatSession(m, sampler, n_ctx, system, speculation(m, n_ctx, threads) if speculation else None)
     out = Console(highlight=False)
@@ -533,7 +541,7 @@ def bench(model: ModelArg = None,
           n_prompt: Annotated[int, typer.Option("--n-prompt", "-p", help="Prompt tokens (test ppN).")] = 512,
           n_gen: Annotated[int, typer.Option("--n-gen", "-n", help="Generated tokens (test tgN).")] = 128,
           reps: Annotated[int, typer.Option("--repetitions", "-r", help="Runs per test.")] = 3,
-          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto",
+          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16",
           as_json: Annotated[bool, typer.Option("--json", help="One JSON object per test, per line.")] = False,
           draft: DraftOpt = None, draft_max: DraftMaxOpt = None, lookup: LookupOpt = False,
           lookup_ngram: LookupNgramOpt = None):
@@ -544,7 +552,7 @@ def bench(model: ModelArg = None,
     if n_prompt < 0 or n_gen < 0 or reps < 1:
         raise UserError("-p and -n must be >= 0 and -r >= 1")
     speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
-    m = _load(model, threads, fa)
+    m = _load(model, threads, fa, (ctk, ctv))
     rng = np.random.default_rng(0)
     cache = m.make_cache(max(n_prompt, n_gen) + 1)
     rows = []
@@ -651,7 +659,7 @@ def batch(args: Annotated[list[str], typer.Argument(help="[MODEL] INPUT.jsonl; I
           seed: Annotated[Optional[int], typer.Option("--seed", help="Run seed: records without their own seed derive one from it and their id.")] = None,
           system: Annotated[Optional[str], typer.Option("--system", help="System prompt for records without one.")] = None,
           ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context per record (default 4096).")] = None,
-          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto",
+          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16",
           metrics: Annotated[Optional[Path], typer.Option("--metrics", help="Write the run's metrics as JSON here.")] = None,
           shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: only the records whose id hashes to shard I of N (1-based).")] = None,
           no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache", help="Compute every prompt in full.")] = False,
@@ -683,7 +691,7 @@ def batch(args: Annotated[list[str], typer.Argument(help="[MODEL] INPUT.jsonl; I
         raise UserError(f"input file {path} does not exist")
     if output.is_dir():
         raise UserError(f"-o {output} is a directory: give a file path")
-    m = _load(model, threads, fa)
+    m = _load(model, threads, fa, (ctk, ctv))
     n_ctx = m.context_length(ctx)
     defaults = B.Defaults(max_tokens, temp, top_k, top_p, min_p, repeat_penalty, seed, system)
     meta = {"model": m.name, "model_bytes": m.path.stat().st_size, "defaults": vars(defaults) | {"ctx": n_ctx},

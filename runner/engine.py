@@ -16,7 +16,7 @@ logical slot, so where a page lives changes no bit. Shared prompt pages are only
 every token took a full batch's steps (positions below L - L % 4 of a prompt of L tokens),
 and a request reuses shared pages only while at least MIN_TAIL prompt tokens are left to
 compute: then the rest of its prompt takes the same steps as in a cold run (see
-``_prefill_plan``). So a request's output equals ``numbat prompt``'s on the same input, bit
+``_prefill_plan``), and flash attention the path of the cold chunk's size. So a request's output equals ``numbat prompt``'s on the same input, bit
 for bit, with or without the prefix cache, at any --parallel.
 """
 from __future__ import annotations
@@ -198,7 +198,8 @@ class Engine:
             toks.extend(s.req.prompt[s.done:end])
             pos.extend(range(s.done, end))
             slots.append(self.kv.grow(s.kv, n))
-            segs.append((a, a + n, n > 1))
+            # the cold chunk's size: flash attention's path goes by it, not by the reused tail's
+            segs.append((a, a + n, n > 1, end - s.done // self.chunk * self.chunk))
             if end == len(s.req.prompt):
                 out_rows.append(a + n - 1)
                 owners.append(s)

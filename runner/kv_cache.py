@@ -36,8 +36,9 @@ PAGE = 64
 @dataclass
 class LayerKV:
     """What attention and the K/V store of one layer read in one forward."""
-    k: np.ndarray            # (pages, n_kv, head_dim, 64 + 16) float16 bits: a dim's slots in a row
-    v: np.ndarray            # (pages, n_kv, 64, head_dim) float16 bits
+    k: np.ndarray            # f16: (pages, n_kv, head_dim, 64 + 16) float16 bits, a dim's slots in a row;
+                             # q8_0/q4_0: (pages, n_kv, 64, block bytes of a row)
+    v: np.ndarray            # f16: (pages, n_kv, 64, head_dim) float16 bits; quantized as k
     pos: np.ndarray          # (n_phys,) position held by each physical slot, -1 empty
     slots: np.ndarray        # (n_tok,) physical slot each new token is written to
     tables: np.ndarray       # (n_seq, pages) int64: logical page -> physical page
@@ -45,17 +46,29 @@ class LayerKV:
     window: int              # 0: attend to everything cached
 
 
-def _kv_arrays(n_kv: int, head_dim: int, n_pages: int):
+# cache element types (llama.cpp's -ctk/-ctv): bytes per block of 32 values (f16: 2 a value)
+CACHE_TYPES = {"f16": 64, "q8_0": 34, "q4_0": 18}
+
+
+def bytes_per_value(t: str) -> float:
+    return CACHE_TYPES[t] / 32
+
+
+def _kv_arrays(n_kv: int, head_dim: int, n_pages: int, types: tuple[str, str] = ("f16", "f16")):
     """K and V of n_pages pages, each page's contiguous: memory (huge pages too) is touched
-    only where pages are written."""
-    return (np.zeros((n_pages, n_kv, head_dim, PAGE + 16), np.uint16),
-            np.zeros((n_pages, n_kv, PAGE, head_dim), np.uint16))
+    only where pages are written. f16 K: a row of slots per dim; quantized K or V: a slot's
+    row of blocks (llama.cpp's block_q8_0 / block_q4_0 bytes)."""
+    kt, vt = types
+    rows = lambda t: (n_pages, n_kv, PAGE, head_dim // 32 * CACHE_TYPES[t])
+    k = np.zeros((n_pages, n_kv, head_dim, PAGE + 16), np.uint16) if kt == "f16" else np.zeros(rows(kt), np.uint8)
+    v = np.zeros((n_pages, n_kv, PAGE, head_dim), np.uint16) if vt == "f16" else np.zeros(rows(vt), np.uint8)
+    return k, v
 
 
 class LayerCache:
-    def __init__(self, n_kv: int, cap: int, head_dim: int, window: int):
+    def __init__(self, n_kv: int, cap: int, head_dim: int, window: int, types=("f16", "f16")):
         size = -(-cap // PAGE) * PAGE           # the extra slots stay empty
-        self.k, self.v = _kv_arrays(n_kv, head_dim, size // PAGE)
+        self.k, self.v = _kv_arrays(n_kv, head_dim, size // PAGE, types)
         self.pos = np.full(size, -1, np.int64)
         self.table = np.arange(size // PAGE, dtype=np.int64)[None]    # its own pages, in order
         self.window = window
@@ -67,9 +80,9 @@ class KVCache:
     """One sequence's ring cache."""
 
     def __init__(self, n_layer: int, n_kv: int, head_dim: int, n_ctx: int,
-                 windows: list[int], chunk: int, n_keep: int = 0):
+                 windows: list[int], chunk: int, n_keep: int = 0, types=("f16", "f16")):
         self.n_ctx, self.n_keep = n_ctx, n_keep
-        self.layers = [LayerCache(n_kv, min(n_ctx, w + chunk) if w else n_ctx, head_dim, w) for w in windows]
+        self.layers = [LayerCache(n_kv, min(n_ctx, w + chunk) if w else n_ctx, head_dim, w, types) for w in windows]
         self.n_past = 0          # tokens processed so far = the next absolute position
         self.dropped = False     # context overflowed at least once
 
@@ -211,11 +224,11 @@ class SeqKV:
 class PagedKV:
     """Many sequences' K/V over one pool of pages (see the module docstring)."""
 
-    def __init__(self, n_layer: int, n_kv: int, head_dim: int, n_pages: int, max_pages: int):
+    def __init__(self, n_layer: int, n_kv: int, head_dim: int, n_pages: int, max_pages: int, types=("f16", "f16")):
         self.pool = BlockPool(n_pages)
         self.max_pages = max_pages                  # pages one sequence may have (its context)
         n_phys = n_pages * PAGE
-        self.layers = [_kv_arrays(n_kv, head_dim, n_pages) for _ in range(n_layer)]
+        self.layers = [_kv_arrays(n_kv, head_dim, n_pages, types) for _ in range(n_layer)]
         self.pos = np.full(n_phys, -1, np.int64)    # one for all layers: logical slot = position
         self.hits = 0          # prompt tokens served from shared pages
         self.lookups = 0       # prompt tokens that could have been

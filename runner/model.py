@@ -71,7 +71,7 @@ class Model:
 
 
 def load(model: str, progress: catalog.Progress | None = None, threads: int | None = None,
-         flash: bool = True) -> Model:
+         flash: bool = True, cache_types: tuple[str, str] = ("f16", "f16")) -> Model:
     """flash: llama.cpp's flash-attention arithmetic (its CPU default, -fa auto/on), else -fa off's."""
     path = resolve(model, progress)
     try:
@@ -90,7 +90,7 @@ def load(model: str, progress: catalog.Progress | None = None, threads: int | No
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     from runner.backends.numba_cpu import NumbaCPU
     try:
-        backend = NumbaCPU(f, cfg, flash=flash)
+        backend = NumbaCPU(f, cfg, flash=flash, cache_types=cache_types)
     except (quant.UnsupportedType, GGUFError) as e:
         raise ModelError(f"{path}: {e}") from None
     return Model(model, path, f, cfg, tok, template, backend)

@@ -63,11 +63,14 @@ def _decode_logits(m, ids, n_ctx=64):
 def test_prefill_equals_decode(name, request):
     """Chunked prefill (matmul path) and one-token decode (matvec path) are the same model;
     on F32 weights they differ by float summation order, which can flip the f16 rounding of
-    a softmax weight (as in llama.cpp): 3e-4 of the largest logit covers that."""
+    a softmax weight (as in llama.cpp): 3e-4 of the largest logit covers that. With flash
+    attention (the default) the value sums are rounded to f16 at every cell, as llama.cpp's
+    are: 2e-3 (measured 1.2e-3)."""
     m = request.getfixturevalue(name)
     full = m.backend.forward(IDS, m.make_cache(64), logits="all")
     step = _decode_logits(m, IDS)
-    np.testing.assert_allclose(full, step, rtol=1e-4, atol=3e-4 * np.abs(full).max())
+    tol = 2e-3 if m.backend.flash else 3e-4
+    np.testing.assert_allclose(full, step, rtol=1e-4, atol=tol * np.abs(full).max())
 
 
 @pytest.mark.parametrize("flash", [False, True])
@@ -244,8 +247,8 @@ def test_rope_store_is_rope_then_f16_rounding_into_the_slots():
     args = (np.float32(10000 ** -0.25), np.float32(1), np.ones(d // 2, np.float32), True)
     kc, vc = np.full((2, n_kv, d, 80), 3, np.uint16), np.full((2, n_kv, 64, d), 3, np.uint16)   # float16 bits
     q2, k2, q3 = q.copy(), k.copy(), q.copy()
-    rope_store(q, k, v, pos, *args, slots, kc, vc, np.float32(0.0625), True)
-    rope_store(q3, k.copy(), v, pos, *args, slots, kc.copy(), vc.copy(), np.float32(0.0625), False)
+    rope_store(q, k, v, pos, *args, slots, kc, vc, np.float32(0.0625), True, True)
+    rope_store(q3, k.copy(), v, pos, *args, slots, kc.copy(), vc.copy(), np.float32(0.0625), False, True)
     rope(q2, pos, *args)
     rope(k2, pos, *args)
     np.testing.assert_array_equal(q3.view(np.int32), (q2 * np.float32(0.0625)).view(np.int32))   # flash: q scaled, not rounded

@@ -54,10 +54,10 @@ def f16_round(x):
 
 
 @njit(cache=True)
-def rope_store(q, k, v, positions, theta_scale, freq_scale, freq_factors, neox, slots, kc, vc, q_scale, round_q):
+def rope_store(q, k, v, positions, theta_scale, freq_scale, freq_factors, neox, slots, kc, vc, q_scale, round_q, store):
     """One layer's new tokens into its cache: RoPE on q (n, n_head, d) and k (n, n_kv, d),
     q times q_scale (and, with round_q, rounded to f16: the mul_mat path's conversion) in
-    place, and k and v (n, n_kv, d) stored as float16
+    place, and (with store) k and v (n, n_kv, d) stored as float16
     (uint16 bits) at their slots of kc and vc, as llama.cpp's f16 cache holds them. One
     serial call: decode's few tokens do not pay for starting threads, nor for five numpy
     steps. Slot s is row s % 64 of page s // 64 (kc: (pages, n_kv, d, >= 64), vc: (pages,
@@ -69,6 +69,8 @@ def rope_store(q, k, v, positions, theta_scale, freq_scale, freq_factors, neox, 
             for j in range(q.shape[2]):
                 x = q[t, h, j] * q_scale
                 q[t, h, j] = f16_round(x) if round_q else x
+        if not store:       # a quantized cache: store_kv writes it
+            continue
         p, o = slots[t] >> 6, slots[t] & 63
         for h in range(k.shape[1]):
             for j in range(k.shape[2]):
@@ -500,5 +502,196 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
                 S = fma32(S, so, pr[1] * sn)
                 M = mn
             inv = f32(1) / S if S != 0 else f32(1)
+            for j in range(d):
+                out[t, h, j] = acc[j] * inv
+
+
+# cache element types inside the kernels
+KV_F16, KV_Q8_0, KV_Q4_0 = 0, 1, 2
+
+
+@njit(inline="always")
+def _put_f16(row, o, x):
+    b = f2h(x)
+    row[o], row[o + 1] = np.uint8(b & 0xFF), np.uint8(b >> 8)
+
+
+@njit(inline="always")
+def _get_f16(row, o):
+    return h2f(np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8)))
+
+
+@njit(inline="always")
+def q8_0_row(x, out):
+    """x (float32, a multiple of 32) to block_q8_0 bytes as ggml's CPU quantize_row_q8_0
+    (AVX): d = amax / 127 stored f16, codes round(x * (127 / amax)) to nearest even."""
+    for b in range(x.shape[0] // 32):
+        amax = f32(0)
+        for j in range(32):
+            amax = max(amax, abs(x[b * 32 + j]))
+        _put_f16(out, b * 34, amax / f32(127))
+        inv = f32(127) / amax if amax != 0 else f32(0)
+        for j in range(32):
+            out[b * 34 + 2 + j] = np.uint8(np.int32(np.rint(x[b * 32 + j] * inv)) & 0xFF)
+
+
+@njit(inline="always")
+def q4_0_row(x, out):
+    """x to block_q4_0 bytes as ggml's quantize_row_q4_0_ref: d = (value of largest
+    magnitude) / -8, codes min(15, trunc(x / d + 8.5)), low nibbles the first 16."""
+    for b in range(x.shape[0] // 32):
+        amax, mx = f32(0), f32(0)
+        for j in range(32):
+            a = abs(x[b * 32 + j])
+            if amax < a:
+                amax, mx = a, x[b * 32 + j]
+        d = mx / f32(-8)
+        inv = f32(1) / d if d != 0 else f32(0)
+        _put_f16(out, b * 18, d)
+        for j in range(16):
+            lo = min(15, np.int32(np.int8(np.int32(x[b * 32 + j] * inv + f32(8.5)))))
+            hi = min(15, np.int32(np.int8(np.int32(x[b * 32 + 16 + j] * inv + f32(8.5)))))
+            out[b * 18 + 2 + j] = np.uint8(lo | (hi << 4))
+
+
+@njit(cache=True)
+def store_kv(k, v, slots, kc, vc, kt, vt):
+    """k and v (n, n_kv, d) float32 into their slots of a cache of types kt/vt: f16 values in
+    the f16 layouts, quantized rows of blocks (ggml's CPU from_float, as llama.cpp's
+    set_rows) in the others."""
+    for t in range(k.shape[0]):
+        p, o = slots[t] >> 6, slots[t] & 63
+        for h in range(k.shape[1]):
+            if kt == KV_F16:
+                for j in range(k.shape[2]):
+                    kc[p, h, j, o] = f2h(k[t, h, j])
+            elif kt == KV_Q8_0:
+                q8_0_row(k[t, h], kc[p, h, o])
+            else:
+                q4_0_row(k[t, h], kc[p, h, o])
+            if vt == KV_F16:
+                for j in range(v.shape[2]):
+                    vc[p, h, o, j] = f2h(v[t, h, j])
+            elif vt == KV_Q8_0:
+                q8_0_row(v[t, h], vc[p, h, o])
+            else:
+                q4_0_row(v[t, h], vc[p, h, o])
+
+
+@njit(inline="always")
+def _dot_q(kr, kt, qq, qd, nb):
+    """ggml_vec_dot_q8_0_q8_0 / _q4_0_q8_0 (AVX2 steps) of a cached row with q in q8_0: per
+    block 8 integer lanes of 4 products, each lane fma'd with d_k * d_q into its own sum,
+    then hsum_float_8."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f32(0)
+    bs = 34 if kt == KV_Q8_0 else 18
+    for b in range(nb):
+        dd = _get_f16(kr, b * bs) * qd[b]
+        sl = np.zeros(8, np.int32)
+        for e in range(32):
+            if kt == KV_Q8_0:
+                w = np.int32(np.int8(kr[b * 34 + 2 + e]))
+            else:
+                byte = np.int32(kr[b * 18 + 2 + (e & 15)])
+                w = ((byte & 15) if e < 16 else (byte >> 4)) - 8
+            sl[e >> 2] += w * np.int32(qq[b * 32 + e])
+        a0 = fma32(dd, f32(sl[0]), a0)
+        a1 = fma32(dd, f32(sl[1]), a1)
+        a2 = fma32(dd, f32(sl[2]), a2)
+        a3 = fma32(dd, f32(sl[3]), a3)
+        a4 = fma32(dd, f32(sl[4]), a4)
+        a5 = fma32(dd, f32(sl[5]), a5)
+        a6 = fma32(dd, f32(sl[6]), a6)
+        a7 = fma32(dd, f32(sl[7]), a7)
+    return ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))
+
+
+@njit(parallel=True, cache=True)
+def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scale, out, scratch, kt, vt):
+    """flash_attention with a quantized K or V (llama.cpp's -ctk/-ctv q8_0 | q4_0): every query
+    takes the one-chunk kernel (llama.cpp's tiled and split paths need f16 K and V). q is
+    converted to K's dot type (f16, or q8_0 blocks as quantize_row_q8_0 makes them); scores
+    by ggml_vec_dot_f16 or the quantized dots; online softmax cell by cell with libm's expf;
+    values summed in f16 (f16 V) or in float32 fma from the dequantized row (quantized V)."""
+    n_tok, n_head, d = q.shape
+    n_kv = k.shape[1]
+    group = n_head // n_kv
+    nb = d // 32
+    for i in prange(n_tok * n_kv):
+        t, g = i // n_kv, i % n_kv
+        tab = tables[qseq[t]]
+        top = 0
+        for s in range(seq_slots[qseq[t]]):
+            if _visible(kpos[_row(tab, s)], qpos[t], window):
+                top = s + 1
+        buf = scratch[get_thread_id()]
+        qb, acc, vrow, P = buf[:d], buf[d:2 * d], buf[2 * d:3 * d], buf[3 * d:3 * d + 64 * 16]
+        qq = np.zeros(d, np.int8)
+        qd = np.empty(nb, np.float32)
+        qraw = np.empty(nb * 34, np.uint8)
+        p1 = qpos[t]
+        for e in range(group):
+            h = g * group + e
+            if kt == KV_F16:
+                for j in range(d):
+                    qb[j] = h2f(f2h(q[t, h, j]))
+            else:
+                q8_0_row(q[t, h], qraw)
+                for b in range(nb):
+                    qd[b] = _get_f16(qraw, b * 34)
+                    for j in range(32):
+                        qq[b * 32 + j] = np.int8(np.int32(qraw[b * 34 + 2 + j]) - (np.int32(qraw[b * 34 + 2 + j]) >> 7 << 8))
+            for j in range(d):
+                acc[j] = 0
+            M, S = f32(-np.inf), f32(0)
+            for b0 in range(0, top, 16):
+                if kt == KV_F16:
+                    k0 = tab[b0 >> 6] * (n_kv * d * k.shape[3]) + g * d * k.shape[3] + (b0 & 63)
+                    if not _scores(d, False, k.ravel(), k0, k.shape[3], qb, 0, P, 0):
+                        for j in range(d):
+                            if j < 64:
+                                mul16(P, j * 16, k.ravel(), k0 + j * k.shape[3], qb[j])
+                            else:
+                                fma16(P, (j % 64) * 16, k.ravel(), k0 + j * k.shape[3], qb[j])
+                        if d < 64:
+                            P[d * 16:] = 0
+                        _fold(P, 0, 16)
+                        _tree(P, 0, 16)
+                for cc in range(16):
+                    s = b0 + cc
+                    if s >= top or not _visible(kpos[_row(tab, s)], p1, window):
+                        continue
+                    r = _row(tab, s)
+                    pg, o = r >> 6, r & 63
+                    raw = P[cc] if kt == KV_F16 else _dot_q(k[pg, g, o], kt, qq, qd, nb)
+                    sv = raw * scale
+                    ms, vs = f32(1), f32(1)
+                    if sv > M:
+                        ms = f32(math.exp(M - sv))
+                        M = sv
+                        for j in range(d):
+                            acc[j] = h2f(f2h(acc[j] * ms)) if vt == KV_F16 else acc[j] * ms
+                    else:
+                        vs = f32(math.exp(sv - M))
+                    if vt == KV_F16:
+                        vr = v[pg, g, o]
+                        for j in range(d):
+                            acc[j] = h2f(f2h(fma32(h2f(vr[j]), vs, acc[j])))
+                    else:
+                        vr = v[pg, g, o]
+                        bs = 34 if vt == KV_Q8_0 else 18
+                        for b in range(nb):
+                            dv = _get_f16(vr, b * bs)
+                            for j in range(32):
+                                if vt == KV_Q8_0:
+                                    w = f32(np.int8(vr[b * 34 + 2 + j]))
+                                else:
+                                    byte = np.int32(vr[b * 18 + 2 + (j & 15)])
+                                    w = f32(((byte & 15) if j < 16 else (byte >> 4)) - 8)
+                                vrow[b * 32 + j] = w * dv
+                        for j in range(d):
+                            acc[j] = fma32(vrow[j], vs, acc[j])
+                    S = fma32(S, ms, vs)
+            inv = f32(0) if S == 0 else f32(1) / S
             for j in range(d):
                 out[t, h, j] = acc[j] * inv

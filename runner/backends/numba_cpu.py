@@ -12,7 +12,7 @@ import quant
 from gguf_io.config import ModelConfig
 from gguf_io.reader import GGUFError, GGUFFile
 from runner.backends import kernels as K
-from runner.kv_cache import PAGE, KVCache, LayerKV, PagedKV
+from runner.kv_cache import CACHE_TYPES, PAGE, KVCache, LayerKV, PagedKV
 
 
 # Batches up to this size run the matvec kernels where the weights are not repacked
@@ -27,9 +27,11 @@ class Batch:
     tokens: np.ndarray          # (n,) int64
     positions: np.ndarray       # (n,) int64
     seq: np.ndarray             # (n,) the token's sequence: its row in the KV view's tables
-    segments: list              # [(start, end, batch)]: runs of tokens whose matmuls take the
-                                # float steps of one llama.cpp batch of end - start (batch) or
-                                # of one token per row; together they cover 0..n
+    segments: list              # [(start, end, batch[, size])]: runs of tokens whose matmuls take
+                                # the float steps of one llama.cpp batch of end - start (batch)
+                                # or of one token per row; together they cover 0..n. size: the
+                                # tokens of the llama.cpp batch the run is the end of (after
+                                # reused prefix pages), whose flash-attention path it takes
     out: np.ndarray | None      # rows that need output, increasing (None: all, each with its
                                 # segment's steps; otherwise each with one token's steps)
 
@@ -98,7 +100,7 @@ class NumbaCPU:
     name = "numba-cpu"
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig, chunk: int = 512, max_tokens: int | None = None,
-                 flash: bool = True):
+                 flash: bool = True, cache_types: tuple[str, str] = ("f16", "f16")):
         from gguf_io.validate import validate; validate(f, cfg)  # noqa: E702  untrusted file: shapes proven before any kernel runs
         # chunk: llama.cpp's batch size for one sequence's prompt; max_tokens: the most tokens
         # one run() takes (a batch engine's step: a prompt chunk and other sequences' tokens)
@@ -106,6 +108,18 @@ class NumbaCPU:
         # flash: llama.cpp's flash-attention kernel (its default on the CPU), else its
         # mul_mat + soft_max path; both to the bit (see K.flash_attention, K.attention)
         self.flash = flash
+        # K and V element types (llama.cpp's -ctk/-ctv): f16, or q8_0/q4_0 blocks, which
+        # llama.cpp reads in its flash-attention kernel only (numbat too)
+        for t in cache_types:
+            if t not in CACHE_TYPES:
+                raise GGUFError(f"cache type {t!r}: use one of {', '.join(CACHE_TYPES)}")
+        if cache_types != ("f16", "f16"):
+            if not flash:
+                raise GGUFError("a quantized KV cache needs flash attention (-fa on), as llama.cpp's V cache does")
+            if cfg.head_dim % 32:
+                raise GGUFError(f"a quantized KV cache needs a head size that is a multiple of 32, not {cfg.head_dim}")
+        self.cache_types = tuple(cache_types)
+        self._kv_codes = tuple({"f16": K.KV_F16, "q8_0": K.KV_Q8_0, "q4_0": K.KV_Q4_0}[t] for t in cache_types)
         for t in f.tensors.values():
             quant.qtype(t.type_id)   # unsupported types fail at load, with the type named
 
@@ -187,14 +201,14 @@ class NumbaCPU:
 
     def make_cache(self, n_ctx: int, n_keep: int = 0) -> KVCache:
         c = self.cfg
-        cache = KVCache(c.n_layer, c.n_head_kv, c.head_dim, n_ctx, self.windows, self.chunk, n_keep)
+        cache = KVCache(c.n_layer, c.n_head_kv, c.head_dim, n_ctx, self.windows, self.chunk, n_keep, self.cache_types)
         self._scratch_for(cache.capacity)
         return cache
 
     def make_store(self, n_pages: int, n_ctx: int) -> PagedKV:
         """A pool of n_pages KV pages for many sequences of up to n_ctx tokens each."""
         c = self.cfg
-        store = PagedKV(c.n_layer, c.n_head_kv, c.head_dim, n_pages, -(-n_ctx // PAGE))
+        store = PagedKV(c.n_layer, c.n_head_kv, c.head_dim, n_pages, -(-n_ctx // PAGE), self.cache_types)
         self._scratch_for(store.max_pages * PAGE)
         return store
 
@@ -238,10 +252,10 @@ class NumbaCPU:
         q_scale, kq_scale = (np.float32(hd ** -0.5), np.float32(1)) if c.scale_q else (np.float32(1), np.float32(hd ** -0.5))
         qbatch = np.zeros(n, np.bool_)
         qmode = np.full(n, K.FA_ONE, np.int8)      # flash attention's path: llama.cpp's by batch size
-        for a, e, bt in segs:
+        for a, e, bt, *cold in segs:
             qbatch[a:e] = bt
-            if bt:
-                qmode[a:e] = K.FA_TILE if e - a >= 64 else K.FA_VEC
+            if bt:      # by the size of the llama.cpp batch the run belongs to (its cold run's)
+                qmode[a:e] = K.FA_TILE if (cold[0] if cold else e - a) >= 64 else K.FA_VEC
         x, h, o = self.x[:n], self.h[:n], self.o[:n]
         q, k, v, attn = self.q[:n], self.k[:n], self.v[:n], self.attn[:n]
         g, u = self.g[:n], self.u[:n]
@@ -250,23 +264,28 @@ class NumbaCPU:
             x *= np.float32(c.embed_scale)
         for L, lk in zip(self.layers, kv):
             K.rms_norm(x, L.attn_norm, c.norm_eps, h)
-            for a, e, bt in segs:
+            for a, e, bt, *_ in segs:
                 self._qkv(L, h[a:e], q[a:e], k[a:e], v[a:e], bt)
             q3, k3 = q.reshape(n, c.n_head, hd), k.reshape(n, c.n_head_kv, hd)
             if L.q_norm is not None:
                 K.rms_norm(q3.reshape(-1, hd), L.q_norm, c.norm_eps, q3.reshape(-1, hd))
                 K.rms_norm(k3.reshape(-1, hd), L.k_norm, c.norm_eps, k3.reshape(-1, hd))
             # the cache holds f16 values, as llama.cpp's default f16 cache does (see K.attention)
+            plain = self.cache_types == ("f16", "f16")
             K.rope_store(q3, k3, v.reshape(n, c.n_head_kv, hd), b.positions, L.theta_scale, self.freq_scale,
-                         self.freq_factors, c.rope_neox, lk.slots, lk.k, lk.v, q_scale, not self.flash)
-            if self.flash:
+                         self.freq_factors, c.rope_neox, lk.slots, lk.k, lk.v, q_scale, not self.flash, plain)
+            if not plain:
+                K.store_kv(k3, v.reshape(n, c.n_head_kv, hd), lk.slots, lk.k, lk.v, *self._kv_codes)
+                K.flash_attention_q(q3, b.positions, b.seq, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
+                                    kq_scale, attn.reshape(n, c.n_head, hd), self.scratch, *self._kv_codes)
+            elif self.flash:
                 K.flash_attention(q3, b.positions, b.seq, qmode, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots,
                                   L.window, kq_scale, attn.reshape(n, c.n_head, hd), self.scratch,
                                   numba.get_num_threads())
             else:
                 K.attention(q3, b.positions, b.seq, qbatch, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
                             kq_scale, attn.reshape(n, c.n_head, hd), self.scratch, numba.get_num_threads())
-            for a, e, bt in segs:
+            for a, e, bt, *_ in segs:
                 L.wo(attn[a:e], o[a:e], batch=bt)
             if L is self.layers[-1] and b.out is not None:
                 # as llama.cpp, the last layer's FFN runs only for the rows that give output,
@@ -282,7 +301,7 @@ class NumbaCPU:
                 K.rms_norm(o, L.post_attn_norm, c.norm_eps, o)
             x += o
             K.rms_norm(x, L.ffn_norm, c.norm_eps, h)
-            for a, e, bt in segs:
+            for a, e, bt, *_ in segs:
                 self._ffn(L, h[a:e], g[a:e], u[a:e], o[a:e], bt)
             if L.post_ffn_norm is not None:
                 K.rms_norm(o, L.post_ffn_norm, c.norm_eps, o)
@@ -290,7 +309,7 @@ class NumbaCPU:
         out = np.empty((n, c.n_embd if hidden else c.n_vocab), np.float32)
         K.rms_norm(x, self.output_norm, c.norm_eps, out if hidden else h)
         if not hidden:
-            for a, e, bt in segs:
+            for a, e, bt, *_ in segs:
                 self.output(h[a:e], out[a:e], batch=bt)
         return out
 

@@ -10,7 +10,7 @@
   rebuilds the very same files.
 
 Dev-only (needs llama-cpp-python==0.3.36). Run from the repo root:
-    python tests/oracle/gen_model_fixtures.py [--real-only | --tiny-only | --greedy-top | --flash]
+    python tests/oracle/gen_model_fixtures.py [--real-only | --tiny-only | --greedy-top | --flash | --kv-types]
 (--greedy-top adds only the top logits of each greedy step to the real-model fixtures).
 """
 from __future__ import annotations
@@ -176,6 +176,32 @@ def flash_fixtures() -> None:
         del llm
 
 
+KV_TYPES = {"q8_0": 8, "q4_0": 2}     # ggml type ids
+
+
+def kv_type_fixtures(contexts=(512, 4096)) -> None:
+    """tests/fixtures/kv_types.json: perplexity and top-1 with quantized K and V caches
+    (-ctk/-ctv q8_0 | q4_0, flash attention on, as llama.cpp needs for V), per model and
+    context, by tools/perplexity's method on the runner's text."""
+    global N_CTX
+    out, path = {}, FIXTURES / "kv_types.json"
+    for name, filename in REAL.items():
+        base = json.loads((FIXTURES / filename).read_text(encoding="utf-8"))
+        ids = base["text_ids"]
+        for t, tid in KV_TYPES.items():
+            for n_ctx in contexts:
+                N_CTX = n_ctx
+                llm = llama_cpp.Llama(model_path=str(fetch(name)), n_ctx=n_ctx, n_batch=512, n_threads=2,
+                                      n_threads_batch=2, logits_all=True, flash_attn=True, type_k=tid, type_v=tid,
+                                      verbose=False)
+                bos = int(llama_cpp.llama_vocab_bos(llama_cpp.llama_model_get_vocab(llm.model)))
+                r = oracle_perplexity(llm, ids, base["add_bos"], bos)
+                out.setdefault(name, {}).setdefault(t, {})[str(n_ctx)] = r
+                print(f"{name} {t} ctx {n_ctx}: ppl {r['ppl']:.4f}", flush=True)
+                del llm
+    _write(path, out)
+
+
 def tiny_ids(seed: int) -> list[int]:
     rng = np.random.default_rng(seed)
     return [1] + rng.integers(3, 384, TINY_LEN - 1).tolist()   # BOS, then anything but controls
@@ -199,6 +225,9 @@ def tiny_fixtures(flash: bool = False) -> None:
 
 
 if __name__ == "__main__":
+    if "--kv-types" in sys.argv:    # the quantized-cache fixtures only
+        kv_type_fixtures()
+        sys.exit()
     if "--flash" in sys.argv:       # the flash-attention fixtures only
         tiny_fixtures(flash=True)
         flash_fixtures()
