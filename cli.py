@@ -246,6 +246,8 @@ def rm(name: Annotated[str, typer.Argument(help="A downloaded catalog model.")])
 
 @app.command()
 def info(model: ModelArg = None,
+         ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Also the KV cache's size for a context of N "
+                                                    "tokens, for each cache type (K and V of one type).")] = None,
          as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False):
     """Architecture, size, tensor types, context length and tokenizer of a model."""
     from collections import Counter
@@ -253,6 +255,8 @@ def info(model: ModelArg = None,
     from gguf_io import GGUFError, open_gguf
     from gguf_io.config import config_from_gguf
     from runner.model import ModelError, resolve
+    if ctx is not None and ctx < 1:
+        raise UserError(f"-c/--ctx must be at least 1, got {ctx}")
     try:
         path = resolve(model or catalog.DEFAULT_MODEL, _download_progress()[0])
         f = open_gguf(path)
@@ -266,17 +270,49 @@ def info(model: ModelArg = None,
          "tokenizer": f.get("tokenizer.ggml.model"), "tokenizer_pre": f.get("tokenizer.ggml.pre"),
          "vocab_size": len(f.get("tokenizer.ggml.tokens") or ()), "chat_template": "tokenizer.chat_template" in f.metadata}
     import quant
+    cfg = None
     try:
-        config_from_gguf(f)
+        cfg = config_from_gguf(f)
         for t in f.tensors.values():
             quant.qtype(t.type_id)
         d["supported"] = True
     except (GGUFError, quant.UnsupportedType) as e:
         d["supported"], d["why_not"] = False, str(e)
+    if ctx is not None and cfg is not None:
+        # what the backend's KVCache allocates (runner/kv_cache.py), without loading it: a
+        # sliding-window layer (as NumbaCPU sets Layer.window) holds a ring of its window
+        # plus one prompt chunk, a global layer the context; slots in pages of PAGE
+        from runner.kv_cache import CACHE_TYPES, PAGE, _kv_arrays
+        chunk = 512                 # NumbaCPU's chunk (llama.cpp's batch for one sequence)
+        windows = [cfg.sliding_window if cfg.is_sliding(i) else 0 for i in range(cfg.n_layer)]
+        pages = sum(-(-(min(ctx, w + chunk) if w else ctx) // PAGE) for w in windows)
+        d["kv_cache"] = {"n_ctx": ctx}
+        for t in CACHE_TYPES:
+            if t != "f16" and cfg.head_dim % 32:       # llama.cpp's blocks of 32 along a head
+                d["kv_cache"][t] = None
+                continue
+            k, v = _kv_arrays(cfg.n_head_kv, cfg.head_dim, 1, (t, t))     # one page of one layer
+            total = pages * (k.nbytes + v.nbytes)
+            d["kv_cache"][t] = {"bytes": total, "bytes_per_token": total / ctx,
+                                # the values alone at llama.cpp's sizes (f16 K rows carry padding here)
+                                "data_bytes": pages * PAGE * cfg.n_head_kv * cfg.head_dim * 2 * CACHE_TYPES[t] // 32}
     if as_json:
         print(json.dumps(d))
         return
     for k, v in d.items():
+        if k == "kv_cache":
+            beyond = d["context_length"] and ctx > d["context_length"]
+            print(f"{k:15s} {ctx} tokens, K and V of one type" + (" (past the training context)" if beyond else ""))
+            for t, s in v.items():
+                if t == "n_ctx":
+                    continue
+                if s is None:
+                    print(f"  {t:13s} needs a head size that is a multiple of 32")
+                    continue
+                print(f"  {t:13s} {s['bytes'] / 2**20:.2f} MiB, {s['bytes_per_token'] / 2**10:.2f} KiB/token" +
+                      (f" (the values alone {s['data_bytes'] / 2**20:.2f} MiB, {s['data_bytes'] / ctx / 2**10:.2f} "
+                       f"KiB/token: f16 K rows are padded)" if s["data_bytes"] != s["bytes"] else ""))
+            continue
         if k == "tensor_types":
             v = ", ".join(f"{n} x{c}" for n, c in v.items())
         elif k in ("parameters",):
@@ -540,44 +576,78 @@ def chat(model: ModelArg = None,
 def bench(model: ModelArg = None,
           n_prompt: Annotated[int, typer.Option("--n-prompt", "-p", help="Prompt tokens (test ppN).")] = 512,
           n_gen: Annotated[int, typer.Option("--n-gen", "-n", help="Generated tokens (test tgN).")] = 128,
+          n_depth: Annotated[str, typer.Option("--n-depth", "-d", help="Tokens already in the cache when each test runs, "
+                                               "as llama-bench's -d; a comma-separated list runs every test at each.")] = "0",
           reps: Annotated[int, typer.Option("--repetitions", "-r", help="Runs per test.")] = 3,
           threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16",
           as_json: Annotated[bool, typer.Option("--json", help="One JSON object per test, per line.")] = False,
           draft: DraftOpt = None, draft_max: DraftMaxOpt = None, lookup: LookupOpt = False,
           lookup_ngram: LookupNgramOpt = None):
-    """Prompt processing and generation speed, as llama-bench measures them (random tokens, empty context).
+    """Prompt processing and generation speed, as llama-bench measures them (random tokens, empty context,
+    or with -d a context already holding that many random tokens).
     With --draft or --lookup, also greedy generation on a fixed code prompt, plain and speculative."""
     import numba
     import numpy as np
     if n_prompt < 0 or n_gen < 0 or reps < 1:
         raise UserError("-p and -n must be >= 0 and -r >= 1")
+    depths = []
+    for part in n_depth.split(","):
+        part = part.strip()
+        if not (part.isascii() and part.isdigit()):      # no sign, no point: a count of tokens
+            raise UserError(f"-d/--n-depth must be integers >= 0, comma-separated (as 0,4096), got {n_depth!r}")
+        depths.append(int(part))
     speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
     m = _load(model, threads, fa, (ctk, ctv))
     rng = np.random.default_rng(0)
-    cache = m.make_cache(max(n_prompt, n_gen) + 1)
     rows = []
 
-    def add(test, rates, **extra):   # rates[0] warmed up and is not counted
+    def add(test, rates, depth=0, **extra):   # rates[0] warmed up and is not counted
         r = np.array(rates[1:])
         rows.append({"model": m.name, "size_bytes": m.file.file_size, "params": m.file.n_params(),
-                     "backend": m.backend.name, "threads": numba.get_num_threads(), "test": test,
+                     "backend": m.backend.name, "threads": numba.get_num_threads(),
+                     "flash_attn": m.backend.flash, "type_k": m.backend.cache_types[0], "type_v": m.backend.cache_types[1],
+                     "test": test, "n_depth": depth,
                      "tokens_per_s": round(float(r.mean()), 2), "stddev": round(float(r.std()), 2), **extra})
 
-    for test, n in (("pp", n_prompt), ("tg", n_gen)):
-        if n == 0:
-            continue
-        rates = []
-        for _ in range(reps + 1):   # the first run warms up and is not counted
-            ids = rng.integers(0, m.tokenizer.vocab_size, n).tolist()
-            cache.reset()
-            t = time.perf_counter()
-            if test == "pp":
-                m.backend.forward(ids, cache)
+    longest = max(n_prompt, n_gen)
+    for depth in depths:                # llama-bench's order: the tests of one depth together
+        if longest == 0:
+            break
+        # the backend's own cache (m.make_cache caps at the training context): llama-bench's
+        # context of depth + test tokens, whatever the model was trained for
+        n_ctx = depth + longest + 1
+        cache = m.backend.make_cache(n_ctx)
+        fill = rng.integers(0, m.tokenizer.vocab_size, depth).tolist()
+        # a sliding-window layer's ring holds w + chunk slots: after a test of k tokens is
+        # rolled back it still has the window before the depth only while k <= chunk; past
+        # that (or at depth 0) every run starts from a fresh cache, refilled untimed
+        refill = depth == 0 or any(w and min(n_ctx, w + m.backend.chunk) - longest < min(w, depth)
+                                   for w in m.backend.windows)
+
+        def at_depth():                 # the cache holds the depth's tokens and nothing after
+            if refill or cache.n_past < depth:
+                cache.reset()
+                if fill:
+                    m.backend.forward(fill, cache)
             else:
-                for i in ids:
-                    m.backend.forward([i], cache)
-            rates.append(n / (time.perf_counter() - t))
-        add(f"{test}{n}", rates)
+                cache.rollback(cache.n_past - depth)
+
+        for test, n in (("pp", n_prompt), ("tg", n_gen)):
+            if n == 0:
+                continue
+            rates = []
+            for _ in range(reps + 1):   # the first run warms up and is not counted
+                ids = rng.integers(0, m.tokenizer.vocab_size, n).tolist()
+                at_depth()
+                t = time.perf_counter()
+                if test == "pp":
+                    m.backend.forward(ids, cache)
+                else:
+                    for i in ids:
+                        m.backend.forward([i], cache)
+                rates.append(n / (time.perf_counter() - t))
+            add(f"{test}{n}", rates, depth)
+        del cache
     if speculation and n_gen:
         _bench_speculation(m, n_gen, reps, speculation, threads, add)
     if as_json:
@@ -585,13 +655,15 @@ def bench(model: ModelArg = None,
             print(json.dumps(row))
         return
     from rich.table import Table
-    t = Table("model", "size", "params", "backend", "threads", "test", "t/s")
+    t = Table("model", "size", "params", "backend", "threads", "fa", "type_k", "type_v", "test", "t/s")
     for row in rows:
         spec = row.get("speculative")
-        test = row["test"] + (f" ({spec['acceptance_rate']:.0%} accepted, {spec['tokens_per_target_forward']:.2f} "
-                              f"tok/forward)" if spec else "")
+        test = row["test"] + (f" @ d{row['n_depth']}" if row["n_depth"] else "")
+        test += (f" ({spec['acceptance_rate']:.0%} accepted, {spec['tokens_per_target_forward']:.2f} "
+                 f"tok/forward)" if spec else "")
         t.add_row(row["model"], f"{row['size_bytes'] / 2**20:.2f} MiB", f"{row['params'] / 1e6:.2f} M", row["backend"],
-                  str(row["threads"]), test, f"{row['tokens_per_s']:.2f} ± {row['stddev']:.2f}")
+                  str(row["threads"]), "on" if row["flash_attn"] else "off", row["type_k"], row["type_v"], test,
+                  f"{row['tokens_per_s']:.2f} ± {row['stddev']:.2f}")
     Console().print(t)
 
 
