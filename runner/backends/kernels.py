@@ -579,31 +579,48 @@ def store_kv(k, v, slots, kc, vc, kt, vt):
 
 
 @njit(inline="always")
-def _dot_q(kr, kt, qq, qd, nb):
+def _dot_q(kr, kt, qq, qd, nb, pb):
     """ggml_vec_dot_q8_0_q8_0 / _q4_0_q8_0 (AVX2 steps) of a cached row with q in q8_0: per
     block 8 integer lanes of 4 products, each lane fma'd with d_k * d_q into its own sum,
-    then hsum_float_8."""
+    then hsum_float_8. pb: 32 int32 of scratch."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f32(0)
-    bs = 34 if kt == KV_Q8_0 else 18
     for b in range(nb):
-        dd = _get_f16(kr, b * bs) * qd[b]
-        sl = np.zeros(8, np.int32)
-        for e in range(32):
-            if kt == KV_Q8_0:
-                w = np.int32(np.int8(kr[b * 34 + 2 + e]))
-            else:
-                byte = np.int32(kr[b * 18 + 2 + (e & 15)])
-                w = ((byte & 15) if e < 16 else (byte >> 4)) - 8
-            sl[e >> 2] += w * np.int32(qq[b * 32 + e])
-        a0 = fma32(dd, f32(sl[0]), a0)
-        a1 = fma32(dd, f32(sl[1]), a1)
-        a2 = fma32(dd, f32(sl[2]), a2)
-        a3 = fma32(dd, f32(sl[3]), a3)
-        a4 = fma32(dd, f32(sl[4]), a4)
-        a5 = fma32(dd, f32(sl[5]), a5)
-        a6 = fma32(dd, f32(sl[6]), a6)
-        a7 = fma32(dd, f32(sl[7]), a7)
+        if kt == KV_Q8_0:
+            o = b * 34
+            for e in range(32):
+                pb[e] = np.int32(np.int8(kr[o + 2 + e])) * np.int32(qq[b * 32 + e])
+        else:
+            o = b * 18
+            for e in range(16):
+                byte = np.int32(kr[o + 2 + e])
+                pb[e] = ((byte & 15) - 8) * np.int32(qq[b * 32 + e])
+                pb[e + 16] = ((byte >> 4) - 8) * np.int32(qq[b * 32 + 16 + e])
+        dd = _get_f16(kr, o) * qd[b]
+        a0 = fma32(dd, f32(pb[0] + pb[1] + pb[2] + pb[3]), a0)
+        a1 = fma32(dd, f32(pb[4] + pb[5] + pb[6] + pb[7]), a1)
+        a2 = fma32(dd, f32(pb[8] + pb[9] + pb[10] + pb[11]), a2)
+        a3 = fma32(dd, f32(pb[12] + pb[13] + pb[14] + pb[15]), a3)
+        a4 = fma32(dd, f32(pb[16] + pb[17] + pb[18] + pb[19]), a4)
+        a5 = fma32(dd, f32(pb[20] + pb[21] + pb[22] + pb[23]), a5)
+        a6 = fma32(dd, f32(pb[24] + pb[25] + pb[26] + pb[27]), a6)
+        a7 = fma32(dd, f32(pb[28] + pb[29] + pb[30] + pb[31]), a7)
     return ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))
+
+
+@njit(inline="always")
+def _deq_row(vr, vt, nb, out):
+    """A cached q8_0 / q4_0 row to float32 (ggml's dequantize_row: code * d)."""
+    for b in range(nb):
+        if vt == KV_Q8_0:
+            dv = _get_f16(vr, b * 34)
+            for j in range(32):
+                out[b * 32 + j] = f32(np.int8(vr[b * 34 + 2 + j])) * dv
+        else:
+            dv = _get_f16(vr, b * 18)
+            for j in range(16):
+                byte = np.int32(vr[b * 18 + 2 + j])
+                out[b * 32 + j] = f32((byte & 15) - 8) * dv
+                out[b * 32 + 16 + j] = f32((byte >> 4) - 8) * dv
 
 
 @njit(parallel=True, cache=True)
@@ -627,6 +644,7 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
         buf = scratch[get_thread_id()]
         qb, acc, vrow, P = buf[:d], buf[d:2 * d], buf[2 * d:3 * d], buf[3 * d:3 * d + 64 * 16]
         qq = np.zeros(d, np.int8)
+        pb = np.zeros(32, np.int32)
         qd = np.empty(nb, np.float32)
         qraw = np.empty(nb * 34, np.uint8)
         p1 = qpos[t]
@@ -663,7 +681,7 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
                         continue
                     r = _row(tab, s)
                     pg, o = r >> 6, r & 63
-                    raw = P[cc] if kt == KV_F16 else _dot_q(k[pg, g, o], kt, qq, qd, nb)
+                    raw = P[cc] if kt == KV_F16 else _dot_q(k[pg, g, o], kt, qq, qd, nb, pb)
                     sv = raw * scale
                     ms, vs = f32(1), f32(1)
                     if sv > M:
@@ -678,20 +696,32 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
                         for j in range(d):
                             acc[j] = h2f(f2h(fma32(h2f(vr[j]), vs, acc[j])))
                     else:
-                        vr = v[pg, g, o]
-                        bs = 34 if vt == KV_Q8_0 else 18
-                        for b in range(nb):
-                            dv = _get_f16(vr, b * bs)
-                            for j in range(32):
-                                if vt == KV_Q8_0:
-                                    w = f32(np.int8(vr[b * 34 + 2 + j]))
-                                else:
-                                    byte = np.int32(vr[b * 18 + 2 + (j & 15)])
-                                    w = f32(((byte & 15) if j < 16 else (byte >> 4)) - 8)
-                                vrow[b * 32 + j] = w * dv
+                        _deq_row(v[pg, g, o], vt, nb, vrow)
                         for j in range(d):
                             acc[j] = fma32(vrow[j], vs, acc[j])
                     S = fma32(S, ms, vs)
             inv = f32(0) if S == 0 else f32(1) / S
             for j in range(d):
                 out[t, h, j] = acc[j] * inv
+
+
+@njit(parallel=True, cache=True)
+def fwht(x, n):
+    """Each run of n values of x (flat length a multiple of n, n a power of 2) times the
+    normalized Hadamard matrix, in place, as ggml's CPU fwht (the Hadamard mul_mat that
+    llama.cpp applies to q, k, v and the attention output around a quantized KV cache): the
+    values times 1/sqrtf(n), then butterflies (u + v, u - v) of widths 1, 2, 4, ... in order."""
+    f = x.reshape(-1)
+    scale = f32(1) / np.sqrt(f32(n))
+    for r in prange(f.shape[0] // n):
+        row = f[r * n:(r + 1) * n]
+        for j in range(n):
+            row[j] = row[j] * scale
+        w = 1
+        while w < n:
+            for i in range(0, n, 2 * w):
+                for j in range(w):
+                    u, v = row[i + j], row[i + w + j]
+                    row[i + j] = u + v
+                    row[i + w + j] = u - v
+            w *= 2

@@ -3,6 +3,7 @@ memory-mapped blocks. Decode (one token) runs the fused matvec kernels; prefill 
 through the tiled matmul. Every activation buffer is allocated once, at load."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numba
@@ -119,6 +120,14 @@ class NumbaCPU:
             if cfg.head_dim % 32:
                 raise GGUFError(f"a quantized KV cache needs a head size that is a multiple of 32, not {cfg.head_dim}")
         self.cache_types = tuple(cache_types)
+        # llama.cpp rotates q and k (rows of the largest power of 2 >= 64 dividing the head
+        # size) and v and the attention output (rows of 64) by a Hadamard matrix around a
+        # quantized cache, so that outliers spread before 8 or 4 bits hold them
+        # (LLAMA_ATTN_ROT_DISABLE=1 turns that off there, and here)
+        rot = os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0") in ("", "0")
+        hd = cfg.head_dim
+        self.rot_k = hd & -hd if rot and cache_types[0] != "f16" and hd % 64 == 0 else 0
+        self.rot_v = 64 if rot and cache_types[1] != "f16" and hd % 64 == 0 else 0
         self._kv_codes = tuple({"f16": K.KV_F16, "q8_0": K.KV_Q8_0, "q4_0": K.KV_Q4_0}[t] for t in cache_types)
         for t in f.tensors.values():
             quant.qtype(t.type_id)   # unsupported types fail at load, with the type named
@@ -275,9 +284,16 @@ class NumbaCPU:
             K.rope_store(q3, k3, v.reshape(n, c.n_head_kv, hd), b.positions, L.theta_scale, self.freq_scale,
                          self.freq_factors, c.rope_neox, lk.slots, lk.k, lk.v, q_scale, not self.flash, plain)
             if not plain:
+                if self.rot_k:
+                    K.fwht(q3, self.rot_k)
+                    K.fwht(k3, self.rot_k)
+                if self.rot_v:
+                    K.fwht(v, self.rot_v)
                 K.store_kv(k3, v.reshape(n, c.n_head_kv, hd), lk.slots, lk.k, lk.v, *self._kv_codes)
                 K.flash_attention_q(q3, b.positions, b.seq, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
                                     kq_scale, attn.reshape(n, c.n_head, hd), self.scratch, *self._kv_codes)
+                if self.rot_v:
+                    K.fwht(attn, self.rot_v)
             elif self.flash:
                 K.flash_attention(q3, b.positions, b.seq, qmode, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots,
                                   L.window, kq_scale, attn.reshape(n, c.n_head, hd), self.scratch,
