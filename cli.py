@@ -125,6 +125,11 @@ def _load(model: str | None, threads: int | None = None, fa: str = "auto", types
             m = load(name, update, threads, flash, types)
     finally:
         bar.stop()
+    from runner.kv_cache import kv_cost_warning
+    warning = kv_cost_warning(name, types)
+    if warning and not state.get("kv_warned"):      # once per process (a draft loads too)
+        state["kv_warned"] = True
+        err.print(warning, soft_wrap=True)
     return m
 
 

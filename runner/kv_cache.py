@@ -50,6 +50,34 @@ class LayerKV:
 CACHE_TYPES = {"f16": 64, "q8_0": 34, "q4_0": 18}
 
 
+# What a quantized K and V cache costs, measured: perplexity with -ctk/-ctv T over perplexity
+# with the f16 cache, flash attention on, ctx 512, on tests/fixtures/ppl_text.txt (llama.cpp's
+# figures, tests/fixtures/kv_types.json, which numbat's equal to the printed digit).
+KV_COST = {
+    "qwen2.5-coder:0.5b": {"q8_0": 6.1782 / 5.9748, "q4_0": 36.8565 / 5.9748},
+    "qwen2.5-coder:1.5b": {"q8_0": 1.8433 / 1.8408, "q4_0": 1317.3899 / 1.8408},
+    "gemma3:270m": {"q8_0": 14.8704 / 14.9329, "q4_0": 16.7384 / 14.9329},
+}
+
+
+def kv_cost_warning(model: str, types: tuple[str, str]) -> str | None:
+    """One line for a cache type that costs more than 2% perplexity on this model, or that
+    can cost much and was not measured on it (q4_0); None otherwise."""
+    worst = "q4_0" if "q4_0" in types else "q8_0" if "q8_0" in types else None
+    if worst is None:
+        return None
+    cost = KV_COST.get(model, {}).get(worst)
+    if cost is None:
+        return (f"warning: a {worst} KV cache was not measured on {model}; on the catalog models it raised "
+                f"perplexity by up to {max(c[worst] for c in KV_COST.values()):.0f}x (numbat info and README: KV cache types)"
+                if worst == "q4_0" else None)
+    if cost <= 1.02:
+        return None
+    figure = f"{(cost - 1) * 100:.1f}%" if cost < 1.5 else f"{cost:.1f}x"
+    return (f"warning: a {worst} KV cache raises {model}'s perplexity by {figure} (measured at ctx 512 against "
+            f"the f16 cache); -ctk/-ctv f16 keeps it")
+
+
 def bytes_per_value(t: str) -> float:
     return CACHE_TYPES[t] / 32
 
