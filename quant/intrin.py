@@ -220,3 +220,37 @@ def pv16(typingctx, v, vo, vrow, n, w, wo, lanes, out, oo, ostride, table, pstri
                 builder.store(builder.load(accs[r]), _vec_ptr(context, builder, sig.args[7], aout, dst), align=4)
         return context.get_dummy_value()
     return types.none(v, vo, vrow, n, w, wo, lanes, out, oo, ostride, table, pstride), codegen
+
+
+@intrinsic
+def fma16h(typingctx, acc, ai, x, xi, s):
+    """acc[ai:ai+16] = f16(fma(x[xi:xi+16], s, acc[ai:ai+16])) as float32 (x float32 or
+    float16 bits): ggml_vec_mad_f16's step, the sum kept in f16; one vector, whatever LLVM
+    would make of the scalar loop."""
+    def codegen(context, builder, sig, args):
+        aacc, aai, ax, axi, as_ = args
+        v16 = ir.VectorType(ir.FloatType(), 16)
+        pa = _vec_ptr(context, builder, sig.args[0], aacc, aai)
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), as_, ir.Constant(ir.IntType(32), 0)),
+                                       ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+        f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
+        r = builder.call(f, [_load16(context, builder, sig.args[2], ax, axi), splat, builder.load(pa, align=4)])
+        r = builder.fpext(builder.fptrunc(r, ir.VectorType(ir.HalfType(), 16)), v16)
+        builder.store(r, pa, align=4)
+        return context.get_dummy_value()
+    return types.none(acc, ai, x, xi, types.float32), codegen
+
+
+@intrinsic
+def mul16h(typingctx, acc, ai, s):
+    """acc[ai:ai+16] = f16(acc[ai:ai+16] * s) as float32: ggml_vec_scale_f16's step."""
+    def codegen(context, builder, sig, args):
+        aacc, aai, as_ = args
+        v16 = ir.VectorType(ir.FloatType(), 16)
+        pa = _vec_ptr(context, builder, sig.args[0], aacc, aai)
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), as_, ir.Constant(ir.IntType(32), 0)),
+                                       ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+        r = builder.fmul(builder.load(pa, align=4), splat)
+        builder.store(builder.fpext(builder.fptrunc(r, ir.VectorType(ir.HalfType(), 16)), v16), pa, align=4)
+        return context.get_dummy_value()
+    return types.none(acc, ai, types.float32), codegen

@@ -7,7 +7,7 @@ import math
 import numpy as np
 from numba import get_thread_id, njit, prange
 
-from quant.intrin import add16, bits_f32, f2h, f32_bits, fma16, fma32, h2f, mul16, pv16, scores16
+from quant.intrin import add16, bits_f32, f2h, f32_bits, fma16, fma16h, fma32, h2f, mul16, mul16h, pv16, scores16
 
 f32 = np.float32
 _C = [f32(float.fromhex(h)) for h in ("0x1.8p23", "0x1.715476p+0", "0x1.7f7d1cp-20", "0x1.62e4p-1", "0x1.0e4020p-7",
@@ -466,15 +466,22 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
                         if sv > M:
                             ms = f32(math.exp(M - sv))
                             M = sv
-                            for j in range(d):
-                                acc[j] = h2f(f2h(acc[j] * ms))
+                            if d % 16 == 0:
+                                for j in range(0, d, 16):
+                                    mul16h(acc, j, ms)
+                            else:
+                                for j in range(d):
+                                    acc[j] = h2f(f2h(acc[j] * ms))
                         else:
                             vs = f32(math.exp(sv - M))
                         r = _row(tab, s)
                         v0 = (r >> 6) * vpage + g * 64 * d + (r & 63) * d
-                        vr = vf[v0:v0 + d]
-                        for j in range(d):
-                            acc[j] = h2f(f2h(fma32(h2f(vr[j]), vs, acc[j])))
+                        if d % 16 == 0:
+                            for j in range(0, d, 16):
+                                fma16h(acc, j, vf, v0 + j, vs)
+                        else:
+                            for j in range(d):
+                                acc[j] = h2f(f2h(fma32(h2f(vf[v0 + j]), vs, acc[j])))
                         S = fma32(S, ms, vs)
             if pidx[t] >= 0:
                 pr = part[pidx[t], h, c]
