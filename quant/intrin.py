@@ -94,21 +94,30 @@ def _load16(context, builder, arrty, arr, offset):
     return builder.load(builder.bitcast(builder.gep(data, [offset]), ir.VectorType(ir.FloatType(), 16).as_pointer()), align=4)
 
 
-@intrinsic
-def fma16(typingctx, acc, ai, x, xi, s):
-    """acc[ai:ai+16] = fma(x[xi:xi+16], s, acc[ai:ai+16]) on flat float32 arrays: one 16-lane
-    vfmadd whatever LLVM would make of the scalar loop (it keeps such loops scalar when it
-    cannot rule out that acc and x overlap)."""
-    def codegen(context, builder, sig, args):
-        aacc, aai, ax, axi, as_ = args
-        v16 = ir.VectorType(ir.FloatType(), 16)
-        pa = _vec_ptr(context, builder, sig.args[0], aacc, aai)
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), as_, ir.Constant(ir.IntType(32), 0)),
-                                       ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
-        f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
-        builder.store(builder.call(f, [_load16(context, builder, sig.args[2], ax, axi), splat, builder.load(pa, align=4)]), pa, align=4)
-        return context.get_dummy_value()
-    return types.none(acc, ai, x, xi, types.float32), codegen
+def _fma16(half: bool):
+    @intrinsic
+    def f(typingctx, acc, ai, x, xi, s):
+        def codegen(context, builder, sig, args):
+            aacc, aai, ax, axi, as_ = args
+            v16 = ir.VectorType(ir.FloatType(), 16)
+            pa = _vec_ptr(context, builder, sig.args[0], aacc, aai)
+            splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), as_, ir.Constant(ir.IntType(32), 0)),
+                                           ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
+            r = builder.call(fma, [_load16(context, builder, sig.args[2], ax, axi), splat, builder.load(pa, align=4)])
+            if half:
+                r = builder.fpext(builder.fptrunc(r, ir.VectorType(ir.HalfType(), 16)), v16)
+            builder.store(r, pa, align=4)
+            return context.get_dummy_value()
+        return types.none(acc, ai, x, xi, types.float32), codegen
+    return f
+
+
+# acc[ai:ai+16] = fma(x[xi:xi+16], s, acc[ai:ai+16]) on flat arrays (x float32 or float16 bits):
+# one 16-lane vfmadd whatever LLVM would make of the scalar loop (it keeps such loops scalar
+# when it cannot rule out that acc and x overlap). fma16h rounds the sums to f16 (kept as
+# float32): ggml_vec_mad_f16's step, flash attention's f16 value sums.
+fma16, fma16h = _fma16(False), _fma16(True)
 
 
 @intrinsic
@@ -220,25 +229,6 @@ def pv16(typingctx, v, vo, vrow, n, w, wo, lanes, out, oo, ostride, table, pstri
                 builder.store(builder.load(accs[r]), _vec_ptr(context, builder, sig.args[7], aout, dst), align=4)
         return context.get_dummy_value()
     return types.none(v, vo, vrow, n, w, wo, lanes, out, oo, ostride, table, pstride), codegen
-
-
-@intrinsic
-def fma16h(typingctx, acc, ai, x, xi, s):
-    """acc[ai:ai+16] = f16(fma(x[xi:xi+16], s, acc[ai:ai+16])) as float32 (x float32 or
-    float16 bits): ggml_vec_mad_f16's step, the sum kept in f16; one vector, whatever LLVM
-    would make of the scalar loop."""
-    def codegen(context, builder, sig, args):
-        aacc, aai, ax, axi, as_ = args
-        v16 = ir.VectorType(ir.FloatType(), 16)
-        pa = _vec_ptr(context, builder, sig.args[0], aacc, aai)
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), as_, ir.Constant(ir.IntType(32), 0)),
-                                       ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
-        f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
-        r = builder.call(f, [_load16(context, builder, sig.args[2], ax, axi), splat, builder.load(pa, align=4)])
-        r = builder.fpext(builder.fptrunc(r, ir.VectorType(ir.HalfType(), 16)), v16)
-        builder.store(r, pa, align=4)
-        return context.get_dummy_value()
-    return types.none(acc, ai, x, xi, types.float32), codegen
 
 
 @intrinsic

@@ -340,6 +340,23 @@ def _scores_chain(d, kf, ko, cap, qf, qo, out, oo):
             fma16(out, oo, kf, ko + j * cap, qf[qo + j])
 
 
+@njit(inline="always")
+def _scores_one(d, kf, k0, stride, qb, P):
+    """16 scores of one f16 query against 16 slots in ggml_vec_dot_f16's order into P[:16]
+    (P: 64 * 16 floats): scores16's for the head sizes it is built for, through memory for
+    others."""
+    if not _scores(d, False, kf, k0, stride, qb, 0, P, 0):
+        for j in range(d):
+            if j < 64:
+                mul16(P, j * 16, kf, k0 + j * stride, qb[j])
+            else:
+                fma16(P, (j % 64) * 16, kf, k0 + j * stride, qb[j])
+        if d < 64:
+            P[d * 16:] = 0
+        _fold(P, 0, 16)
+        _tree(P, 0, 16)
+
+
 # a query's path through llama.cpp's CPU flash attention (ggml_compute_forward_flash_attn_ext_f16)
 FA_ONE, FA_VEC, FA_TILE = 0, 1, 2
 
@@ -447,16 +464,7 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
             else:
                 for b0 in range(c0 - (c0 & 15), c1, 16):
                     k0 = tab[b0 >> 6] * kpage + g * d * stride + (b0 & 63)
-                    if not _scores(d, False, kf, k0, stride, qb, 0, P, 0):
-                        for j in range(d):      # other head sizes: ggml_vec_dot_f16's lanes, through memory
-                            if j < 64:
-                                mul16(P, j * 16, kf, k0 + j * stride, qb[j])
-                            else:
-                                fma16(P, (j % 64) * 16, kf, k0 + j * stride, qb[j])
-                        if d < 64:
-                            P[d * 16:] = 0
-                        _fold(P, 0, 16)
-                        _tree(P, 0, 16)
+                    _scores_one(d, kf, k0, stride, qb, P)
                     for cc in range(16):
                         s = b0 + cc
                         if s < c0 or s >= c1 or not _visible(kpos[_row(tab, s)], p1, window):
@@ -569,20 +577,24 @@ def store_kv(k, v, slots, kc, vc, kt, vt):
     for t in range(k.shape[0]):
         p, o = slots[t] >> 6, slots[t] & 63
         for h in range(k.shape[1]):
-            if kt == KV_F16:
+            if kt == KV_F16:        # f16 K: a row of slots per dim
                 for j in range(k.shape[2]):
                     kc[p, h, j, o] = f2h(k[t, h, j])
-            elif kt == KV_Q8_0:
-                q8_0_row(k[t, h], kc[p, h, o])
             else:
-                q4_0_row(k[t, h], kc[p, h, o])
+                _put_q(k[t, h], kc[p, h, o], kt)
             if vt == KV_F16:
                 for j in range(v.shape[2]):
                     vc[p, h, o, j] = f2h(v[t, h, j])
-            elif vt == KV_Q8_0:
-                q8_0_row(v[t, h], vc[p, h, o])
             else:
-                q4_0_row(v[t, h], vc[p, h, o])
+                _put_q(v[t, h], vc[p, h, o], vt)
+
+
+@njit(inline="always")
+def _put_q(x, out, t):
+    if t == KV_Q8_0:
+        q8_0_row(x, out)
+    else:
+        q4_0_row(x, out)
 
 
 @njit(inline="always")
@@ -672,16 +684,7 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
             for b0 in range(0, top, 16):
                 if kt == KV_F16:
                     k0 = tab[b0 >> 6] * (n_kv * d * k.shape[3]) + g * d * k.shape[3] + (b0 & 63)
-                    if not _scores(d, False, k.ravel(), k0, k.shape[3], qb, 0, P, 0):
-                        for j in range(d):
-                            if j < 64:
-                                mul16(P, j * 16, k.ravel(), k0 + j * k.shape[3], qb[j])
-                            else:
-                                fma16(P, (j % 64) * 16, k.ravel(), k0 + j * k.shape[3], qb[j])
-                        if d < 64:
-                            P[d * 16:] = 0
-                        _fold(P, 0, 16)
-                        _tree(P, 0, 16)
+                    _scores_one(d, k.ravel(), k0, k.shape[3], qb, P)
                 for cc in range(16):
                     s = b0 + cc
                     if s >= top or not _visible(kpos[_row(tab, s)], p1, window):
