@@ -287,10 +287,10 @@ def info(model: ModelArg = None,
         # what the backend's KVCache allocates (runner/kv_cache.py), without loading it: a
         # sliding-window layer (as NumbaCPU sets Layer.window) holds a ring of its window
         # plus one prompt chunk, a global layer the context; slots in pages of PAGE
-        from runner.kv_cache import CACHE_TYPES, PAGE, _kv_arrays
+        from runner.kv_cache import CACHE_TYPES, PAGE, KVCache, _kv_arrays
         chunk = 512                 # NumbaCPU's chunk (llama.cpp's batch for one sequence)
-        windows = [cfg.sliding_window if cfg.is_sliding(i) else 0 for i in range(cfg.n_layer)]
-        pages = sum(-(-(min(ctx, w + chunk) if w else ctx) // PAGE) for w in windows)
+        caps = KVCache.caps(ctx, [cfg.window(i) for i in range(cfg.n_layer)], chunk)
+        pages = sum(-(-cap // PAGE) for cap in caps)
         d["kv_cache"] = {"n_ctx": ctx}
         for t in CACHE_TYPES:
             if t != "f16" and cfg.head_dim % 32:       # llama.cpp's blocks of 32 along a head

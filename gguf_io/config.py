@@ -41,6 +41,10 @@ class ModelConfig:
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window > 0 and self.swa_period > 0 and (layer + 1) % self.swa_period != 0
 
+    def window(self, layer: int) -> int:
+        """The layer's sliding window, 0 for a global layer."""
+        return self.sliding_window if self.is_sliding(layer) else 0
+
     def rope_base_for(self, layer: int) -> float:
         return self.rope_base_local if self.is_sliding(layer) and self.rope_base_local else self.rope_base
 

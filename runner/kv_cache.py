@@ -110,9 +110,14 @@ class KVCache:
     def __init__(self, n_layer: int, n_kv: int, head_dim: int, n_ctx: int,
                  windows: list[int], chunk: int, n_keep: int = 0, types=("f16", "f16")):
         self.n_ctx, self.n_keep = n_ctx, n_keep
-        self.layers = [LayerCache(n_kv, min(n_ctx, w + chunk) if w else n_ctx, head_dim, w, types) for w in windows]
+        self.layers = [LayerCache(n_kv, cap, head_dim, w, types) for cap, w in zip(self.caps(n_ctx, windows, chunk), windows)]
         self.n_past = 0          # tokens processed so far = the next absolute position
         self.dropped = False     # context overflowed at least once
+
+    @staticmethod
+    def caps(n_ctx: int, windows: list[int], chunk: int) -> list[int]:
+        """Slots per layer: a sliding layer's window plus one prefill chunk, a global one's n_ctx."""
+        return [min(n_ctx, w + chunk) if w else n_ctx for w in windows]
 
     @property
     def capacity(self) -> int:

@@ -179,7 +179,7 @@ class NumbaCPU:
                 gate=lin(p + "ffn_gate.weight"), up=lin(p + "ffn_up.weight"), down=lin(p + "ffn_down.weight"),
                 q_norm=vec(p + "attn_q_norm.weight"), k_norm=vec(p + "attn_k_norm.weight"),
                 post_attn_norm=vec(p + "post_attention_norm.weight"), post_ffn_norm=vec(p + "post_ffw_norm.weight"),
-                theta_scale=theta_scale, window=cfg.sliding_window if cfg.is_sliding(i) else 0,
+                theta_scale=theta_scale, window=cfg.window(i),
                 qkv=fused(qkv(i), [p + f"attn_{x}.bias" for x in "qkv"] if cfg.qkv_bias else []),
                 gate_up=fused(gate_up(i), [])))
         t = f.tensors["token_embd.weight"]      # rows are looked up: the file's layout
