@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runner.backends.numba_cpu import Batch
+from runner.backends import Batch
 from runner.generate import Done, TextOut, Token
 from runner.kv_cache import PAGE, SeqKV
 from runner.sampler import Sampler, SamplerConfig

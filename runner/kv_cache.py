@@ -94,9 +94,9 @@ def _kv_arrays(n_kv: int, head_dim: int, n_pages: int, types: tuple[str, str] = 
 
 
 class LayerCache:
-    def __init__(self, n_kv: int, cap: int, head_dim: int, window: int, types=("f16", "f16")):
+    def __init__(self, n_kv: int, cap: int, head_dim: int, window: int, types=("f16", "f16"), arrays=_kv_arrays):
         size = -(-cap // PAGE) * PAGE           # the extra slots stay empty
-        self.k, self.v = _kv_arrays(n_kv, head_dim, size // PAGE, types)
+        self.k, self.v = arrays(n_kv, head_dim, size // PAGE, types)
         self.pos = np.full(size, -1, np.int64)
         self.table = np.arange(size // PAGE, dtype=np.int64)[None]    # its own pages, in order
         self.window = window
@@ -108,9 +108,12 @@ class KVCache:
     """One sequence's ring cache."""
 
     def __init__(self, n_layer: int, n_kv: int, head_dim: int, n_ctx: int,
-                 windows: list[int], chunk: int, n_keep: int = 0, types=("f16", "f16")):
+                 windows: list[int], chunk: int, n_keep: int = 0, types=("f16", "f16"), arrays=_kv_arrays):
+        # arrays(n_kv, head_dim, n_pages, types) -> (K, V): the backend's storage (numpy here,
+        # mx arrays for MLX); this class only keeps the slots' bookkeeping
         self.n_ctx, self.n_keep = n_ctx, n_keep
-        self.layers = [LayerCache(n_kv, cap, head_dim, w, types) for cap, w in zip(self.caps(n_ctx, windows, chunk), windows)]
+        self.layers = [LayerCache(n_kv, cap, head_dim, w, types, arrays)
+                       for cap, w in zip(self.caps(n_ctx, windows, chunk), windows)]
         self.n_past = 0          # tokens processed so far = the next absolute position
         self.dropped = False     # context overflowed at least once
 
@@ -257,17 +260,18 @@ class SeqKV:
 class PagedKV:
     """Many sequences' K/V over one pool of pages (see the module docstring)."""
 
-    def __init__(self, n_layer: int, n_kv: int, head_dim: int, n_pages: int, max_pages: int, types=("f16", "f16")):
+    def __init__(self, n_layer: int, n_kv: int, head_dim: int, n_pages: int, max_pages: int, types=("f16", "f16"),
+                 arrays=_kv_arrays):
         self.pool = BlockPool(n_pages)
         self.max_pages = max_pages                  # pages one sequence may have (its context)
         n_phys = n_pages * PAGE
-        self.layers = [_kv_arrays(n_kv, head_dim, n_pages, types) for _ in range(n_layer)]
+        self.layers = [arrays(n_kv, head_dim, n_pages, types) for _ in range(n_layer)]
         self.pos = np.full(n_phys, -1, np.int64)    # one for all layers: logical slot = position
         self.hits = 0          # prompt tokens served from shared pages
         self.lookups = 0       # prompt tokens that could have been
 
     def nbytes_per_page(self) -> int:
-        return sum(k[0].nbytes + v[0].nbytes for k, v in self.layers)
+        return sum(k.nbytes + v.nbytes for k, v in self.layers) // self.pool.n_pages
 
     def attach(self, seq: SeqKV, prompt: list[int], limit: int, computing: set[bytes]) -> bool:
         """Give seq the longest run of shared full pages of prompt that leaves at least

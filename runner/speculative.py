@@ -3,7 +3,7 @@
 A proposer guesses the next tokens: a small draft model of the same vocabulary
 (``DraftModel``) or the continuation of the latest earlier match of the text's last
 n-gram (``PromptLookup``). The target runs its last token and k guesses in one forward
-with logits="all"; the backend computes batches of up to SMALL_BATCH tokens bit-identically
+with logits="all"; the backend computes batches of up to CHECK_ROWS tokens bit-identically
 to one-at-a-time decoding, so row i is exactly what plain decoding would see after the
 i-th guess. Guess x is accepted with probability min(1, p(x)/q(x)) (p: the target's
 sampling distribution, q: the one x was drawn from); the first rejected guess is replaced
@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runner.backends.numba_cpu import Linear
 from runner.generate import Stats, emit
 from runner.model import ModelError
 from runner.sampler import Sampler
@@ -161,7 +160,7 @@ class DraftModel:
         self.cache = draft.backend.make_cache(n_ctx)   # positions follow the target's, never past n_ctx
         self.fed: list[int] = []                       # the tokens in self.cache, in order
         # backends without a separate output layer (test doubles) give full logits
-        self.head = DraftHead(draft.backend, head, draft.tokenizer.eog_ids) if head and hasattr(draft.backend, "output_rows") else None
+        self.head = DraftHead(draft.backend, head, draft.tokenizer.eog_ids) if head and hasattr(draft.backend, "head") else None
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> tuple[list[int], list[np.ndarray]]:
         logits = self._sync(context)
@@ -218,28 +217,25 @@ class DraftHead:
     bytes of its output matrix a step."""
 
     def __init__(self, backend, n: int, always=()):
-        rows = backend.output_rows
-        self.n = n if n % 16 == 0 and 2 * n <= rows.n_out else rows.n_out
-        self.rows, self.prefix = rows, backend.output.first(self.n)
-        self.logits = np.full(rows.n_out, -np.inf, np.float32)
+        total = backend.cfg.n_vocab
+        self.n = n if n % 16 == 0 and 2 * n <= total else total
+        self.backend, self.total, self.prefix = backend, total, backend.head(self.n)
+        self.logits = np.full(total, -np.inf, np.float32)
         self.covered: set[int] = set()              # the ids >= n covered
-        self.extra_ids, self.extra, self.extra_out = np.zeros(0, np.int64), None, None
+        self.extra_ids, self.extra = np.zeros(0, np.int64), None
         self.cover(always)
 
     def cover(self, ids) -> None:
-        new = {t for t in ids if self.n <= t < self.rows.n_out} - self.covered
+        new = {t for t in ids if self.n <= t < self.total} - self.covered
         if new:     # the rows of the covered ids, gathered again (rare: new ids only)
             self.covered |= new
             self.extra_ids = np.array(sorted(self.covered), np.int64)
-            r = self.rows
-            self.extra = Linear(r.type_id, np.ascontiguousarray(r.raw[self.extra_ids]), r.n_in, len(self.extra_ids))
-            self.extra_out = np.zeros((1, len(self.extra_ids)), np.float32)
+            self.extra = self.backend.head(self.extra_ids)
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
-        self.prefix(h, self.logits[:self.n].reshape(1, -1))
+        self.logits[:self.n] = self.prefix(h)
         if self.extra is not None:
-            self.extra(h, self.extra_out)
-            self.logits[self.extra_ids] = self.extra_out[0]
+            self.logits[self.extra_ids] = self.extra(h)
         return self.logits
 
 

@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from gguf_io.testing import write_tiny_model
-from runner.backends.numba_cpu import Batch
+from runner.backends import Batch
 from runner.engine import MIN_TAIL, Engine, Failed, Request
 from runner.generate import Done, generate
 from runner.kv_cache import PAGE, BlockPool, PagedKV, PoolFull, SeqKV

@@ -12,7 +12,9 @@ import numpy as np
 import quant
 from gguf_io.config import ModelConfig
 from gguf_io.reader import GGUFError, GGUFFile
+from runner.backends import CHECK_ROWS, Batch, graph
 from runner.backends import kernels as K
+from runner.backends.graph import Layer
 from runner.kv_cache import CACHE_TYPES, PAGE, KVCache, LayerKV, PagedKV
 
 
@@ -20,21 +22,7 @@ from runner.kv_cache import CACHE_TYPES, PAGE, KVCache, LayerKV, PagedKV
 # (matvec_rows where the type has it: faster than dequantizing every weight tile for a few
 # tokens), and Q/K/V (gate/up) as one fused repacked matrix where they have one.
 SMALL_BATCH = quant.kquants.ROWS
-
-
-@dataclass
-class Batch:
-    """The tokens of one forward, of any number of sequences."""
-    tokens: np.ndarray          # (n,) int64
-    positions: np.ndarray       # (n,) int64
-    seq: np.ndarray             # (n,) the token's sequence: its row in the KV view's tables
-    segments: list              # [(start, end, batch[, size])]: runs of tokens whose matmuls take
-                                # the float steps of one llama.cpp batch of end - start (batch)
-                                # or of one token per row; together they cover 0..n. size: the
-                                # tokens of the llama.cpp batch the run is the end of (after
-                                # reused prefix pages), whose flash-attention path it takes
-    out: np.ndarray | None      # rows that need output, increasing (None: all, each with its
-                                # segment's steps; otherwise each with one token's steps)
+assert SMALL_BATCH == CHECK_ROWS   # the contract's exact verification size is this one
 
 
 @dataclass
@@ -75,26 +63,23 @@ class Linear:
 
 
 @dataclass
-class Layer:
-    attn_norm: np.ndarray
-    wq: Linear
-    wk: Linear
-    wv: Linear
-    wo: Linear
-    ffn_norm: np.ndarray
-    gate: Linear
-    up: Linear
-    down: Linear
-    q_norm: np.ndarray | None = None
-    k_norm: np.ndarray | None = None
-    post_attn_norm: np.ndarray | None = None
-    post_ffn_norm: np.ndarray | None = None
-    theta_scale: np.float32 = np.float32(1)   # ggml's powf(base, -2/n_dims), per layer
-    window: int = 0
-    # wq, wk, wv (gate, up) as one matrix where they share a repacked type (pack_file's
-    # groups), for decode and checks; prefill runs them apart (gemm8 rounds the input once)
-    qkv: Linear | None = None
-    gate_up: Linear | None = None
+class _State:
+    """One forward's bookkeeping for the ops."""
+    b: Batch
+    n: int                      # rows now (the last layer keeps only the output rows)
+    segs: list
+    qbatch: np.ndarray          # per token: its segment is a batch (the non-flash path's steps)
+    qmode: np.ndarray           # per token: flash attention's path
+
+
+class _Head:
+    def __init__(self, lin: Linear):
+        self.lin, self.n_out = lin, lin.n_out
+
+    def __call__(self, h: np.ndarray) -> np.ndarray:
+        out = np.empty((1, self.n_out), np.float32)
+        self.lin(h, out)
+        return out[0]
 
 
 class NumbaCPU:
@@ -139,8 +124,7 @@ class NumbaCPU:
             return quant.dequantize(t.type_id, f.raw(name).reshape(1, -1), t.n_elements)[0]
 
         def lin(name, bias=None):
-            if name not in f.tensors:
-                raise GGUFError(f"{f.path}: tensor {name} is missing")
+            graph.require(f, name)
             t = f.tensors[name]
             raw = packs.get(name)
             return Linear(t.type_id, f.raw(name) if raw is None else raw, t.dims[0], t.dims[1],
@@ -167,21 +151,11 @@ class NumbaCPU:
         freq_factors = vec("rope_freqs.weight")
         self.freq_factors = freq_factors if freq_factors is not None else np.ones(cfg.rope_dim // 2, np.float32)
         self.freq_scale = np.float32(1.0 / cfg.rope_scale)
-        self.layers = []
-        for i in range(cfg.n_layer):
+        self.layers = graph.build_layers(f, cfg, lin, vec)
+        for i, L in enumerate(self.layers):
             p = f"blk.{i}."
-            b = (lambda n: p + n + ".bias") if cfg.qkv_bias else (lambda n: None)
-            theta_scale = np.float32(cfg.rope_base_for(i)) ** np.float32(-2.0 / cfg.rope_dim)
-            self.layers.append(Layer(
-                attn_norm=vec(p + "attn_norm.weight"), wq=lin(p + "attn_q.weight", b("attn_q")),
-                wk=lin(p + "attn_k.weight", b("attn_k")), wv=lin(p + "attn_v.weight", b("attn_v")),
-                wo=lin(p + "attn_output.weight"), ffn_norm=vec(p + "ffn_norm.weight"),
-                gate=lin(p + "ffn_gate.weight"), up=lin(p + "ffn_up.weight"), down=lin(p + "ffn_down.weight"),
-                q_norm=vec(p + "attn_q_norm.weight"), k_norm=vec(p + "attn_k_norm.weight"),
-                post_attn_norm=vec(p + "post_attention_norm.weight"), post_ffn_norm=vec(p + "post_ffw_norm.weight"),
-                theta_scale=theta_scale, window=cfg.window(i),
-                qkv=fused(qkv(i), [p + f"attn_{x}.bias" for x in "qkv"] if cfg.qkv_bias else []),
-                gate_up=fused(gate_up(i), [])))
+            L.qkv = fused(qkv(i), [p + f"attn_{x}.bias" for x in "qkv"] if cfg.qkv_bias else [])
+            L.gate_up = fused(gate_up(i), [])
         t = f.tensors["token_embd.weight"]      # rows are looked up: the file's layout
         self.embd = Linear(t.type_id, f.raw("token_embd.weight"), t.dims[0], t.dims[1])
         self.output_norm = vec("output_norm.weight")
@@ -199,7 +173,7 @@ class NumbaCPU:
         self.q, self.attn = z(C, qd), z(C, qd)
         self.k, self.v = z(C, kd), z(C, kd)
         self.g, self.u = z(C, c.n_ff), z(C, c.n_ff)
-        self.qkv, self.gu = z(SMALL_BATCH, qd + 2 * kd), z(SMALL_BATCH, 2 * c.n_ff)   # fused outputs
+        self.qkv_buf, self.gu_buf = z(SMALL_BATCH, qd + 2 * kd), z(SMALL_BATCH, 2 * c.n_ff)   # fused outputs
         self.scratch = None             # attention's per-thread scores and lanes, sized by the cache
 
     def _scratch_for(self, slots: int) -> None:
@@ -226,112 +200,126 @@ class NumbaCPU:
         return [l.window for l in self.layers]
 
     def forward(self, tokens, cache: KVCache, logits: str = "last", one_by_one: bool = False) -> np.ndarray:
-        """Run one sequence's tokens at positions cache.n_past... and return float32 logits:
-        (1, vocab) for the last token, or (n, vocab) for all. Longer inputs go in chunks of
-        llama.cpp's batch size, each computed with llama.cpp's float steps for a batch that
-        size, or with one_by_one the steps of one token at a time for every token
-        (speculative verification: the bits plain decoding gets). "hidden" returns the last
-        token's final normed state (1, n_embd) instead, for a head of the caller's."""
-        tokens = np.asarray(tokens, np.int64)
-        outs = []
-        for s in range(0, len(tokens), self.chunk):
-            part = tokens[s:s + self.chunk]
-            n, last = len(part), s + self.chunk >= len(tokens)
-            positions, kv = cache.claim(n)
-            rows = None if logits == "all" else np.arange(n - 1, n) if last else np.zeros(0, np.int64)
-            b = Batch(part, positions, np.zeros(n, np.int64), [(0, n, n > 1 and not one_by_one)], rows)
-            out = self.run(b, kv, hidden=logits == "hidden")
-            if logits == "all":
-                outs.append(out)
-        return np.concatenate(outs) if logits == "all" else out
+        return graph.forward(self, tokens, cache, logits, one_by_one)
 
     def run(self, b: Batch, kv: list[LayerKV], hidden: bool = False) -> np.ndarray | None:
-        """One forward over the tokens of b (any number of sequences, at most max_tokens
-        tokens) with the K/V of kv; returns a fresh (len(b.out), vocab) array of logits (or
-        of final normed states with hidden), None when no row needs output.
+        """graph.run over this backend's ops. Each segment of b runs its matmuls with the
+        float steps of one llama.cpp batch of its size (batch) or of one token per row, so a
+        token's bits depend only on its segment, never on what else shares the forward: the
+        rows of other sequences only make the weights stream once for all. Not reentrant
+        (one engine thread owns every forward): the activation buffers and the kernels'
+        scratch are the backend's."""
+        return graph.run(self, self.layers, b, kv, hidden)
 
-        Each segment of b runs its matmuls with the float steps of one llama.cpp batch of
-        its size (batch) or of one token per row, so a token's bits depend only on its
-        segment, never on what else shares the forward: the rows of other sequences only
-        make the weights stream once for all. Not reentrant (one engine thread owns every
-        forward): the activation buffers and the kernels' scratch are the backend's."""
-        c, n = self.cfg, len(b.tokens)
-        segs, hd = b.segments, c.head_dim
-        # 1/sqrt(head_dim) on the scores, or on q before its f16 rounding (gemma3), as llama.cpp
-        q_scale, kq_scale = (np.float32(hd ** -0.5), np.float32(1)) if c.scale_q else (np.float32(1), np.float32(hd ** -0.5))
+    def head(self, ids) -> _Head:
+        if isinstance(ids, (int, np.integer)):
+            return _Head(self.output.first(int(ids)))
+        r = self.output_rows
+        return _Head(Linear(r.type_id, np.ascontiguousarray(r.raw[ids]), r.n_in, len(ids)))
+
+    # ---- the ops graph.run calls: in place over the buffers of _alloc, views returned
+
+    def begin(self, b: Batch) -> _State:
+        n, segs = len(b.tokens), b.segments
         qbatch = np.zeros(n, np.bool_)
         qmode = np.full(n, K.FA_ONE, np.int8)      # flash attention's path: llama.cpp's by batch size
         for a, e, bt, *cold in segs:
             qbatch[a:e] = bt
             if bt:      # by the size of the llama.cpp batch the run belongs to (its cold run's)
                 qmode[a:e] = K.FA_TILE if (cold[0] if cold else e - a) >= 64 else K.FA_VEC
-        x, h, o = self.x[:n], self.h[:n], self.o[:n]
-        q, k, v, attn = self.q[:n], self.k[:n], self.v[:n], self.attn[:n]
-        g, u = self.g[:n], self.u[:n]
-        quant.qtype(self.embd.type_id).dequant_rows(self.embd.raw[b.tokens], x)
-        if c.embed_scale != 1.0:
-            x *= np.float32(c.embed_scale)
-        for L, lk in zip(self.layers, kv):
-            K.rms_norm(x, L.attn_norm, c.norm_eps, h)
-            for a, e, bt, *_ in segs:
-                self._qkv(L, h[a:e], q[a:e], k[a:e], v[a:e], bt)
-            q3, k3 = q.reshape(n, c.n_head, hd), k.reshape(n, c.n_head_kv, hd)
-            if L.q_norm is not None:
-                K.rms_norm(q3.reshape(-1, hd), L.q_norm, c.norm_eps, q3.reshape(-1, hd))
-                K.rms_norm(k3.reshape(-1, hd), L.k_norm, c.norm_eps, k3.reshape(-1, hd))
-            # the cache holds f16 values, as llama.cpp's default f16 cache does (see K.attention)
-            plain = self.cache_types == ("f16", "f16")
-            K.rope_store(q3, k3, v.reshape(n, c.n_head_kv, hd), b.positions, L.theta_scale, self.freq_scale,
-                         self.freq_factors, c.rope_neox, lk.slots, lk.k, lk.v, q_scale, not self.flash, plain)
-            if not plain:
-                if self.rot_k:
-                    K.fwht(q3, self.rot_k)
-                    K.fwht(k3, self.rot_k)
-                if self.rot_v:
-                    K.fwht(v, self.rot_v)
-                K.store_kv(k3, v.reshape(n, c.n_head_kv, hd), lk.slots, lk.k, lk.v, *self._kv_codes)
-                K.flash_attention_q(q3, b.positions, b.seq, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
-                                    kq_scale, attn.reshape(n, c.n_head, hd), self.scratch, *self._kv_codes)
-                if self.rot_v:
-                    K.fwht(attn, self.rot_v)
-            elif self.flash:
-                K.flash_attention(q3, b.positions, b.seq, qmode, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots,
-                                  L.window, kq_scale, attn.reshape(n, c.n_head, hd), self.scratch,
-                                  numba.get_num_threads())
-            else:
-                K.attention(q3, b.positions, b.seq, qbatch, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
-                            kq_scale, attn.reshape(n, c.n_head, hd), self.scratch, numba.get_num_threads())
-            for a, e, bt, *_ in segs:
-                L.wo(attn[a:e], o[a:e], batch=bt)
-            if L is self.layers[-1] and b.out is not None:
-                # as llama.cpp, the last layer's FFN runs only for the rows that give output,
-                # each with one token's float steps
-                if not len(b.out):
-                    return None
-                rows = b.out
-                x, o = x[rows], o[rows]
-                n = len(rows)
-                h, g, u = h[:n], g[:n], u[:n]
-                segs = [(0, n, False)]
-            if L.post_attn_norm is not None:
-                K.rms_norm(o, L.post_attn_norm, c.norm_eps, o)
-            x += o
-            K.rms_norm(x, L.ffn_norm, c.norm_eps, h)
-            for a, e, bt, *_ in segs:
-                self._ffn(L, h[a:e], g[a:e], u[a:e], o[a:e], bt)
-            if L.post_ffn_norm is not None:
-                K.rms_norm(o, L.post_ffn_norm, c.norm_eps, o)
-            x += o
+        return _State(b, n, segs, qbatch, qmode)
+
+    def embed(self, st: _State) -> np.ndarray:
+        x = self.x[:st.n]
+        quant.qtype(self.embd.type_id).dequant_rows(self.embd.raw[st.b.tokens], x)
+        if self.cfg.embed_scale != 1.0:
+            x *= np.float32(self.cfg.embed_scale)
+        return x
+
+    def norm(self, st: _State, x: np.ndarray, w: np.ndarray, inplace: bool = False) -> np.ndarray:
+        out = x if inplace else self.h[:st.n]
+        K.rms_norm(x, w, self.cfg.norm_eps, out)
+        return out
+
+    def qkv(self, st: _State, L: Layer, h: np.ndarray):
+        q, k, v = self.q[:st.n], self.k[:st.n], self.v[:st.n]
+        for a, e, bt, *_ in st.segs:
+            self._qkv(L, h[a:e], q[a:e], k[a:e], v[a:e], bt)
+        return q, k, v
+
+    def head_norm(self, st: _State, t: np.ndarray, w: np.ndarray) -> np.ndarray:
+        t2 = t.reshape(-1, self.cfg.head_dim)
+        K.rms_norm(t2, w, self.cfg.norm_eps, t2)
+        return t
+
+    def attend(self, st: _State, L: Layer, lk: LayerKV, q, k, v) -> np.ndarray:
+        c, b, n, hd = self.cfg, st.b, st.n, self.cfg.head_dim
+        # 1/sqrt(head_dim) on the scores, or on q before its f16 rounding (gemma3), as llama.cpp
+        q_scale, kq_scale = (np.float32(hd ** -0.5), np.float32(1)) if c.scale_q else (np.float32(1), np.float32(hd ** -0.5))
+        q3, k3, v3 = q.reshape(n, c.n_head, hd), k.reshape(n, c.n_head_kv, hd), v.reshape(n, c.n_head_kv, hd)
+        attn = self.attn[:n]
+        a3 = attn.reshape(n, c.n_head, hd)
+        # the cache holds f16 values, as llama.cpp's default f16 cache does (see K.attention)
+        plain = self.cache_types == ("f16", "f16")
+        K.rope_store(q3, k3, v3, b.positions, L.theta_scale, self.freq_scale, self.freq_factors, c.rope_neox,
+                     lk.slots, lk.k, lk.v, q_scale, not self.flash, plain)
+        if not plain:
+            if self.rot_k:
+                K.fwht(q3, self.rot_k)
+                K.fwht(k3, self.rot_k)
+            if self.rot_v:
+                K.fwht(v, self.rot_v)
+            K.store_kv(k3, v3, lk.slots, lk.k, lk.v, *self._kv_codes)
+            K.flash_attention_q(q3, b.positions, b.seq, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
+                                kq_scale, a3, self.scratch, *self._kv_codes)
+            if self.rot_v:
+                K.fwht(attn, self.rot_v)
+        elif self.flash:
+            K.flash_attention(q3, b.positions, b.seq, st.qmode, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots,
+                              L.window, kq_scale, a3, self.scratch, numba.get_num_threads())
+        else:
+            K.attention(q3, b.positions, b.seq, st.qbatch, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
+                        kq_scale, a3, self.scratch, numba.get_num_threads())
+        return attn
+
+    def linear(self, st: _State, W: Linear, x: np.ndarray) -> np.ndarray:
+        o = self.o[:st.n]
+        for a, e, bt, *_ in st.segs:
+            W(x[a:e], o[a:e], batch=bt)
+        return o
+
+    def rows(self, st: _State, x, o, rows):
+        st.n, st.segs = len(rows), [(0, len(rows), False)]
+        return x[rows], o[rows]
+
+    @staticmethod
+    def add(x: np.ndarray, o: np.ndarray) -> np.ndarray:
+        x += o
+        return x
+
+    def ffn(self, st: _State, L: Layer, h: np.ndarray) -> np.ndarray:
+        n = st.n
+        g, u, o = self.g[:n], self.u[:n], self.o[:n]
+        for a, e, bt, *_ in st.segs:
+            self._ffn(L, h[a:e], g[a:e], u[a:e], o[a:e], bt)
+        return o
+
+    def head_out(self, st: _State, x: np.ndarray, hidden: bool) -> np.ndarray:
+        c, n = self.cfg, st.n
         out = np.empty((n, c.n_embd if hidden else c.n_vocab), np.float32)
+        h = self.h[:n]
         K.rms_norm(x, self.output_norm, c.norm_eps, out if hidden else h)
         if not hidden:
-            for a, e, bt, *_ in segs:
+            for a, e, bt, *_ in st.segs:
                 self.output(h[a:e], out[a:e], batch=bt)
         return out
 
+    def finish(self, st: _State) -> None:
+        pass
+
     def _qkv(self, L: Layer, h, q, k, v, batch: bool) -> None:
         if L.qkv is not None and len(h) <= SMALL_BATCH:
-            qkv = self.qkv[:len(h)]      # one kernel call for the three
+            qkv = self.qkv_buf[:len(h)]      # one kernel call for the three
             L.qkv(h, qkv, batch=batch)
             q[:], k[:], v[:] = qkv[:, :q.shape[1]], qkv[:, q.shape[1]:-v.shape[1]], qkv[:, -v.shape[1]:]
         else:
@@ -343,7 +331,7 @@ class NumbaCPU:
     def _ffn(self, L: Layer, h, g, u, o, batch: bool) -> None:
         gelu = self.cfg.act == "gelu_tanh"
         if L.gate_up is not None and len(h) <= SMALL_BATCH:
-            gu = self.gu[:len(h)]        # one kernel call for both: [gate | up] per row
+            gu = self.gu_buf[:len(h)]        # one kernel call for both: [gate | up] per row
             L.gate_up(h, gu, batch=batch)
             if gelu:
                 K.gelu_tanh_mul(gu[:, :g.shape[1]], gu[:, g.shape[1]:], u)
