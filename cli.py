@@ -30,7 +30,9 @@ def _kernel_cache_dir() -> Path:
     root = Path(__file__).resolve().parent
     digest = hashlib.sha256()
     for p in sorted([*(root / "quant").glob("*.py"), *(root / "runner" / "backends").glob("*.py")]):
-        digest.update(p.read_bytes())
+        src = p.read_bytes()
+        if b"import numba" in src or b"from numba" in src:     # what numba compiles from (not graph.py, MLX)
+            digest.update(src)
     base = catalog.home() / "numba-cache"
     path = base / digest.hexdigest()[:16]
     if not path.is_dir() and base.is_dir():
@@ -61,6 +63,9 @@ LookupNgramOpt = Annotated[Optional[int], typer.Option("--lookup-ngram", help="L
 FlashOpt = Annotated[str, typer.Option(
     "--flash-attn", "-fa", help="Flash attention on|off|auto, as llama.cpp's (auto: on, as its CPU backend "
     "does); numbat follows either path's arithmetic to the bit.")]
+BackendOpt = Annotated[str, typer.Option(
+    "--backend", help="numba (CPU kernels, llama.cpp's bits) or mlx (Apple Silicon; mlx[cpu] on Linux); "
+    "auto: mlx on an Apple-Silicon Mac with mlx installed, else numba.")]
 CtkOpt = Annotated[str, typer.Option("--cache-type-k", "-ctk", help="KV cache type for K: f16, q8_0 or q4_0 (llama.cpp's).")]
 CtvOpt = Annotated[str, typer.Option("--cache-type-v", "-ctv", help="KV cache type for V: f16, q8_0 or q4_0 (needs -fa on).")]
 
@@ -99,12 +104,19 @@ def _flash(fa: str) -> bool:
     return fa != "off"
 
 
-def _load(model: str | None, threads: int | None = None, fa: str = "auto", types: tuple[str, str] = ("f16", "f16")):
+def _load(model: str | None, threads: int | None = None, fa: str = "auto", types: tuple[str, str] = ("f16", "f16"),
+          backend: str = "auto"):
+    from runner import backends
     from runner.kv_cache import CACHE_TYPES
     from runner.model import load
     if threads is not None and threads < 1:
         raise UserError(f"-t/--threads must be at least 1, got {threads}")
     flash = _flash(fa)
+    if backend not in (*backends.BACKENDS, "auto"):
+        raise UserError(f"--backend must be numba, mlx or auto, got {backend!r}")
+    backend = backends.default() if backend == "auto" else backend
+    if backend == "mlx" and types != ("f16", "f16"):
+        raise UserError("--backend mlx keeps an f16 KV cache: drop -ctk/-ctv or use --backend numba")
     for flag, t in zip(("-ctk/--cache-type-k", "-ctv/--cache-type-v"), types):
         if t not in CACHE_TYPES:
             raise UserError(f"{flag} must be one of {', '.join(CACHE_TYPES)}, got {t!r}")
@@ -115,14 +127,14 @@ def _load(model: str | None, threads: int | None = None, fa: str = "auto", types
         err.print(f"pulling {name} (first use)")
     update, bar = _download_progress()
     cache_dir = Path(os.environ["NUMBA_CACHE_DIR"])
-    first = not cache_dir.is_dir() or not any(cache_dir.rglob("*.nbi"))
+    first = backend == "numba" and (not cache_dir.is_dir() or not any(cache_dir.rglob("*.nbi")))
     try:
         if first:
             with err.status("compiling kernels (first run only, about a minute)"):
-                m = load(name, update, threads, flash, types)
+                m = load(name, update, threads, flash, types, backend)
                 _warm(m)
         else:
-            m = load(name, update, threads, flash, types)
+            m = load(name, update, threads, flash, types, backend)
     finally:
         bar.stop()
     from runner.kv_cache import kv_cost_warning
@@ -160,12 +172,12 @@ def _speculation(draft, draft_max, lookup, lookup_ngram):
         return None
     if draft is not None and lookup:
         raise UserError("give --draft MODEL or --lookup, not both")
-    from runner.backends.numba_cpu import SMALL_BATCH
+    from runner.backends import CHECK_ROWS
     from runner.speculative import DRAFT_K, LOOKUP_K, LOOKUP_NGRAM, DraftModel, PromptLookup
     k = draft_max if draft_max is not None else DRAFT_K if draft else LOOKUP_K
-    # the last token and the guesses are checked in one batch, exact only up to SMALL_BATCH tokens
-    if not 1 <= k < SMALL_BATCH:
-        raise UserError(f"--draft-max must be in 1..{SMALL_BATCH - 1}, got {k}")
+    # the last token and the guesses are checked in one batch, exact only up to CHECK_ROWS tokens
+    if not 1 <= k < CHECK_ROWS:
+        raise UserError(f"--draft-max must be in 1..{CHECK_ROWS - 1}, got {k}")
     if lookup:
         n = lookup_ngram if lookup_ngram is not None else LOOKUP_NGRAM
         if n < 1:
@@ -173,7 +185,8 @@ def _speculation(draft, draft_max, lookup, lookup_ngram):
         return lambda m, n_ctx, threads: PromptLookup(n, k)
     if lookup_ngram is not None:
         raise UserError("--lookup-ngram needs --lookup")
-    return lambda m, n_ctx, threads: DraftModel(m, _load(draft, threads, 'on' if m.backend.flash else 'off', m.backend.cache_types), n_ctx, k)
+    return lambda m, n_ctx, threads: DraftModel(m, _load(draft, threads, 'on' if m.backend.flash else 'off', m.backend.cache_types,
+                                                         "mlx" if m.backend.name == "mlx" else "numba"), n_ctx, k)
 
 
 def _spec_line(spec) -> str:
@@ -363,7 +376,7 @@ def tokenize(args: Annotated[Optional[list[str]], typer.Argument(help="[MODEL] T
 def perplexity(model: ModelArg = None,
                file: Annotated[Path, typer.Option("--file", "-f", help="Text file to score.")] = ...,
                ctx: Annotated[int, typer.Option("--ctx", "-c", help="Chunk size in tokens.")] = 512,
-               threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16"):
+               threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16", backend: BackendOpt = "auto"):
     """Perplexity of a text, by llama.cpp's method (last line: PPL = value +/- error)."""
     from runner.perplexity import perplexity as ppl
     if ctx < 8:
@@ -372,7 +385,7 @@ def perplexity(model: ModelArg = None,
         text = file.read_text(encoding="utf-8")
     except OSError as e:
         raise UserError(f"cannot read {file}: {e.strerror}") from None
-    m = _load(model, threads, fa, (ctk, ctv))
+    m = _load(model, threads, fa, (ctk, ctv), backend)
     ids = m.tokenizer.encode(text)
     try:
         r = ppl(m, ids, ctx, progress=lambda c, n, p: err.print(f"[{c}/{n}] {p:.4f}"))
@@ -426,7 +439,7 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
            repeat_penalty: Annotated[float, typer.Option("--repeat-penalty")] = 1.0,
            seed: Annotated[Optional[int], typer.Option("--seed", help="Makes sampling reproducible.")] = None,
            ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context length (default 4096).")] = None,
-           threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16",
+           threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16", backend: BackendOpt = "auto",
            stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at this text (repeatable).")] = None,
            system: Annotated[Optional[str], typer.Option("--system", help="System prompt.")] = None,
            raw: Annotated[bool, typer.Option("--raw", help="Plain continuation, no chat template.")] = False,
@@ -450,7 +463,7 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
     speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
     spec = _constraint(schema, json_object, grammar, regex, speculation)
     text = _read_text(text)
-    m = _load(model, threads, fa, (ctk, ctv))
+    m = _load(model, threads, fa, (ctk, ctv), backend)
     if spec:
         _start(spec, sampler, m.tokenizer)
     ids = m.encode_prompt(text, system=system, raw=raw)
@@ -503,7 +516,7 @@ def chat(model: ModelArg = None,
          repeat_penalty: Annotated[float, typer.Option("--repeat-penalty")] = 1.0,
          seed: Annotated[Optional[int], typer.Option("--seed")] = None,
          ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context length (default 4096).")] = None,
-         threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16",
+         threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16", backend: BackendOpt = "auto",
          draft: DraftOpt = None, draft_max: DraftMaxOpt = None, lookup: LookupOpt = False,
          lookup_ngram: LookupNgramOpt = None,
          schema: SchemaOpt = None, json_object: JsonObjectOpt = False, grammar: GrammarOpt = None,
@@ -517,7 +530,7 @@ def chat(model: ModelArg = None,
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
     speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
     spec = _constraint(schema, json_object, grammar, regex, speculation)
-    m = _load(model, threads, fa, (ctk, ctv))
+    m = _load(model, threads, fa, (ctk, ctv), backend)
     n_ctx = m.context_length(ctx)
     s = ChatSession(m, sampler, n_ctx, system, speculation(m, n_ctx, threads) if speculation else None)
     out = Console(highlight=False)
@@ -584,7 +597,7 @@ def bench(model: ModelArg = None,
           n_depth: Annotated[str, typer.Option("--n-depth", "-d", help="Tokens already in the cache when each test runs, "
                                                "as llama-bench's -d; a comma-separated list runs every test at each.")] = "0",
           reps: Annotated[int, typer.Option("--repetitions", "-r", help="Runs per test.")] = 3,
-          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16",
+          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16", backend: BackendOpt = "auto",
           as_json: Annotated[bool, typer.Option("--json", help="One JSON object per test, per line.")] = False,
           draft: DraftOpt = None, draft_max: DraftMaxOpt = None, lookup: LookupOpt = False,
           lookup_ngram: LookupNgramOpt = None):
@@ -602,7 +615,7 @@ def bench(model: ModelArg = None,
             raise UserError(f"-d/--n-depth must be integers >= 0, comma-separated (as 0,4096), got {n_depth!r}")
         depths.append(int(part))
     speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
-    m = _load(model, threads, fa, (ctk, ctv))
+    m = _load(model, threads, fa, (ctk, ctv), backend)
     rng = np.random.default_rng(0)
     rows = []
 
@@ -736,7 +749,7 @@ def batch(args: Annotated[list[str], typer.Argument(help="[MODEL] INPUT.jsonl; I
           seed: Annotated[Optional[int], typer.Option("--seed", help="Run seed: records without their own seed derive one from it and their id.")] = None,
           system: Annotated[Optional[str], typer.Option("--system", help="System prompt for records without one.")] = None,
           ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context per record (default 4096).")] = None,
-          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16",
+          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16", backend: BackendOpt = "auto",
           metrics: Annotated[Optional[Path], typer.Option("--metrics", help="Write the run's metrics as JSON here.")] = None,
           shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: only the records whose id hashes to shard I of N (1-based).")] = None,
           no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache", help="Compute every prompt in full.")] = False,
@@ -768,7 +781,7 @@ def batch(args: Annotated[list[str], typer.Argument(help="[MODEL] INPUT.jsonl; I
         raise UserError(f"input file {path} does not exist")
     if output.is_dir():
         raise UserError(f"-o {output} is a directory: give a file path")
-    m = _load(model, threads, fa, (ctk, ctv))
+    m = _load(model, threads, fa, (ctk, ctv), backend)
     n_ctx = m.context_length(ctx)
     defaults = B.Defaults(max_tokens, temp, top_k, top_p, min_p, repeat_penalty, seed, system)
     meta = {"model": m.name, "model_bytes": m.path.stat().st_size, "defaults": vars(defaults) | {"ctx": n_ctx},

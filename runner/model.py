@@ -71,8 +71,9 @@ class Model:
 
 
 def load(model: str, progress: catalog.Progress | None = None, threads: int | None = None,
-         flash: bool = True, cache_types: tuple[str, str] = ("f16", "f16")) -> Model:
-    """flash: llama.cpp's flash-attention arithmetic (its CPU default, -fa auto/on), else -fa off's."""
+         flash: bool = True, cache_types: tuple[str, str] = ("f16", "f16"), backend: str = "numba") -> Model:
+    """flash: llama.cpp's flash-attention arithmetic (its CPU default, -fa auto/on), else -fa off's.
+    backend: numba | mlx | auto (runner.backends.make)."""
     path = resolve(model, progress)
     try:
         f = open_gguf(path)
@@ -88,9 +89,11 @@ def load(model: str, progress: catalog.Progress | None = None, threads: int | No
     if threads:
         import numba
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    from runner.backends.numba_cpu import NumbaCPU
+    from runner import backends
     try:
-        backend = NumbaCPU(f, cfg, flash=flash, cache_types=cache_types)
+        be = backends.make(backend, f, cfg, flash, cache_types)
+    except backends.BackendError as e:
+        raise ModelError(str(e)) from None
     except (quant.UnsupportedType, GGUFError) as e:
         raise ModelError(f"{path}: {e}") from None
-    return Model(model, path, f, cfg, tok, template, backend)
+    return Model(model, path, f, cfg, tok, template, be)

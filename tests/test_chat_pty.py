@@ -155,9 +155,12 @@ def parse_json(block: str) -> dict:
     return json.loads(block.strip())
 
 
-def test_chat_turns_run_only_their_new_tokens(chat_factory, gemma, tmp_path):
+@pytest.mark.parametrize("backend", ["numba", "mlx"])
+def test_chat_turns_run_only_their_new_tokens(chat_factory, gemma, tmp_path, backend):
+    if backend == "mlx":
+        pytest.importorskip("mlx.core")
     tok, tmpl = gemma
-    t = chat_factory(GEMMA, "--temp", "0", "-n", "16")
+    t = chat_factory(GEMMA, "--temp", "0", "-n", "16", "--backend", backend)
     banner = t.expect("\n?" + re.escape(PROMPT) + "$", FIRST_LOAD_S)
     assert f"{GEMMA} (gemma3, context 4096). /help for commands." in banner
 

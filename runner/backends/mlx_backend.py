@@ -1,0 +1,285 @@
+"""The MLX backend: the same GGUF files and the same forward graph (graph.run) on MLX, for
+Apple Silicon (on Linux, mlx[cpu] runs it as a correctness vehicle: its reference BLAS is
+~50x slower than numpy here).
+
+Weights are converted once at load by mlx_weights (every GGUF type exactly, no f16
+fallback): a copy out of the mmap, which unified memory makes the place they would go
+anyway. The embedding's rows are read from the mmap per token (gguf.quants' own
+dequantization), unless it doubles as the output head. K and V are float16, as llama.cpp's
+default cache, in mx arrays that grow with the slots written; the slots' bookkeeping (the
+ring, n_keep, rollback, pages and tables) is runner/kv_cache.py's, shared with numba.
+
+Arithmetic: float32 activations, MLX's own matmul and attention order: logits agree with the
+numba backend (llama.cpp's bits) to a stated tolerance (tests/test_mlx_backend.py), not to
+the bit. A row's result does not depend on the other rows of its forward (checked on the CPU
+build: quantized_matmul of M rows equals M one-row calls; attention runs per sequence), so
+batch answers and speculative checks equal one-by-one decoding's. -fa changes nothing here:
+mx.fast.scaled_dot_product_attention is one float32 softmax either way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+
+from gguf_io.config import ModelConfig
+from gguf_io.reader import GGUFError, GGUFFile
+from runner.backends import Batch, graph, mlx_weights
+from runner.backends.graph import Layer
+from runner.kv_cache import PAGE, KVCache, LayerKV, PagedKV
+
+GROW = 4 * PAGE     # K/V arrays grow by this many slots at a time
+
+
+def rope_freqs(theta_scale: np.float32, factors: np.ndarray) -> mx.array:
+    """mx.fast.rope's freqs (each pair's wavelength divisor: angle = position * scale / freq)
+    for ggml's angles position * scale * theta_scale^i / factor_i, theta_scale^i as ggml's
+    running product."""
+    powers = np.cumprod(np.r_[np.float32(1), np.full(len(factors) - 1, theta_scale, np.float32)], dtype=np.float32)
+    return mx.array(np.asarray(factors, np.float32) / powers)
+
+
+class Slots:
+    """One layer's K or V: (slots, n_kv, head_dim) float16 in an mx array grown on demand
+    up to the capacity the cache gave it, so memory follows the slots written."""
+
+    def __init__(self, n_kv: int, head_dim: int, n_slots: int):
+        self.n_kv, self.head_dim, self.cap = n_kv, head_dim, n_slots
+        self.a = mx.zeros((0, n_kv, head_dim), mx.float16)
+
+    @property
+    def nbytes(self) -> int:        # at full size, as the numpy arrays report theirs
+        return self.cap * self.n_kv * self.head_dim * 2
+
+    def write(self, slots: np.ndarray, values: mx.array) -> None:
+        hi = int(slots.max()) + 1
+        if hi > self.a.shape[0]:
+            size = min(self.cap, -(-hi // GROW) * GROW)
+            self.a = mx.concatenate([self.a, mx.zeros((size - self.a.shape[0], self.n_kv, self.head_dim), mx.float16)])
+        self.a[mx.array(slots)] = values
+
+    def read(self, slots: np.ndarray) -> mx.array:
+        if len(slots) and slots[-1] - slots[0] == len(slots) - 1 and np.all(np.diff(slots) == 1):
+            return self.a[int(slots[0]):int(slots[-1]) + 1]     # a run of slots: a view, no gather
+        return self.a[mx.array(slots)]
+
+
+def _slots(n_kv: int, head_dim: int, n_pages: int, types) -> tuple[Slots, Slots]:
+    return Slots(n_kv, head_dim, n_pages * PAGE), Slots(n_kv, head_dim, n_pages * PAGE)
+
+
+@dataclass
+class _State:
+    b: Batch
+    positions: mx.array
+    written: list = field(default_factory=list)     # K/V arrays this forward wrote
+
+
+# llama.cpp rounds a matmul's input to its weights' "vec_dot_type" before the dot products
+# (quant/act.py does it for numba to the bit): doing the same here keeps MLX's logits within
+# float summation order of llama.cpp's instead of that rounding noise (measured on the 0.5b:
+# 1.7% -> see tests/test_mlx_backend.py)
+_ACT = {**{t: "q8_0" for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)},
+        **{t: "q8_K" for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)}, T.F16: "f16", T.BF16: "bf16"}
+
+
+def round_act(x: mx.array, kind: str | None) -> mx.array:
+    """x (n, cols) float32 as llama.cpp's activation quantizer leaves it, dequantized."""
+    if kind == "q8_0":      # per 32: d = f16(amax / 127), q = round_half_even(x * 127 / amax)
+        b = x.reshape(-1, 32)
+        amax = mx.abs(b).max(axis=1, keepdims=True)
+        inv = mx.where(amax > 0, 127 / amax, 0)
+        return (mx.round(b * inv) * (amax / 127).astype(mx.float16).astype(mx.float32)).reshape(x.shape)
+    if kind == "q8_K":      # per 256: m = the first value of largest magnitude, iscale = -127 / m
+        b = x.reshape(-1, 256)
+        m = mx.take_along_axis(b, mx.argmax(mx.abs(b), axis=1, keepdims=True), axis=1)
+        iscale = mx.where(m != 0, -127 / m, 0)
+        return (mx.minimum(mx.round(iscale * b), 127) * mx.where(m != 0, 1 / iscale, 0)).reshape(x.shape)
+    if kind in ("f16", "bf16"):
+        return x.astype(mx.float16 if kind == "f16" else mx.bfloat16).astype(mx.float32)
+    return x
+
+
+@dataclass
+class _Linear:
+    w: mlx_weights.MlxWeight
+    bias: mx.array | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = mlx_weights.matmul(round_act(x, _ACT.get(self.w.type_id)), self.w)
+        return y if self.bias is None else y + self.bias
+
+
+class _Head:
+    def __init__(self, lin: _Linear):
+        self.lin, self.n_out = lin, lin.w.n_rows
+
+    def __call__(self, h: np.ndarray) -> np.ndarray:
+        return np.array(self.lin(mx.array(h)))[0]
+
+
+def _rows(w: mlx_weights.MlxWeight, idx) -> mlx_weights.MlxWeight:
+    """The rows idx (a slice or an index array) of a converted weight."""
+    take = (lambda a: a[idx]) if isinstance(idx, slice) else (lambda a: mx.take(a, mx.array(idx), axis=0))
+    terms = tuple(mlx_weights.QTerm(take(t.w), take(t.scales), take(t.biases), t.group_size, t.bits) for t in w.terms)
+    n = len(range(w.n_rows)[idx]) if isinstance(idx, slice) else len(idx)
+    return mlx_weights.MlxWeight(w.type_id, n, w.n_cols, None if w.plain is None else take(w.plain), terms,
+                                 None if w.mins16 is None else take(w.mins16))
+
+
+class MLX:
+    name = "mlx"
+
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, chunk: int = 512, max_tokens: int | None = None,
+                 flash: bool = True, cache_types: tuple[str, str] = ("f16", "f16"), progress=None):
+        from gguf_io.validate import validate; validate(f, cfg)  # noqa: E702  untrusted file: shapes proven first
+        if tuple(cache_types) != ("f16", "f16"):
+            raise GGUFError("the MLX backend keeps K and V as float16: -ctk/-ctv q8_0/q4_0 need --backend numba")
+        self.cfg, self.chunk, self.max_tokens = cfg, chunk, max_tokens or chunk + 64
+        self.flash, self.cache_types = flash, ("f16", "f16")
+        mats = [n for n, t in f.tensors.items() if len(t.dims) == 2 and (n != "token_embd.weight" or cfg.tied_output)]
+        total, done = sum(f.tensors[n].nbytes for n in mats), 0
+
+        def vec(name):
+            if name not in f.tensors:
+                return None
+            t = f.tensors[name]
+            return mx.array(gguf_dequantize(f.raw(name).reshape(1, -1), T(t.type_id)).reshape(-1).astype(np.float32))
+
+        def lin(name, bias=None):
+            nonlocal done
+            graph.require(f, name)
+            t = f.tensors[name]
+            w = mlx_weights.to_mlx(t.type_id, f.raw(name), t.dims[0])
+            mx.eval(*(a for a in (w.plain, w.mins16, *(x for q in w.terms for x in (q.w, q.scales, q.biases)))
+                      if a is not None))
+            done += t.nbytes
+            if progress:
+                progress(done, total, "converting weights for MLX")
+            return _Linear(w, vec(bias) if bias else None)
+
+        self.layers: list[Layer] = graph.build_layers(f, cfg, lin, vec)
+        self.output_norm = vec("output_norm.weight")
+        self.output = lin("token_embd.weight" if cfg.tied_output else "output.weight")
+        t = f.tensors["token_embd.weight"]
+        self._embd = (f.raw("token_embd.weight"), T(t.type_id))
+        # rope: MLX takes each pair's wavelength divisor, ggml's 1 / theta_scale^i (times the
+        # llama 3 factor); theta_scale^i as ggml's running product
+        ff = vec("rope_freqs.weight")
+        ff = np.ones(cfg.rope_dim // 2, np.float32) if ff is None else np.array(ff)
+        self._freqs = {float(L.theta_scale): rope_freqs(L.theta_scale, ff) for L in self.layers}
+        self.freq_scale = 1.0 / cfg.rope_scale
+
+    @property
+    def windows(self) -> list[int]:
+        return [L.window for L in self.layers]
+
+    def make_cache(self, n_ctx: int, n_keep: int = 0) -> KVCache:
+        c = self.cfg
+        return KVCache(c.n_layer, c.n_head_kv, c.head_dim, n_ctx, self.windows, self.chunk, n_keep, arrays=_slots)
+
+    def make_store(self, n_pages: int, n_ctx: int) -> PagedKV:
+        c = self.cfg
+        return PagedKV(c.n_layer, c.n_head_kv, c.head_dim, n_pages, -(-n_ctx // PAGE), arrays=_slots)
+
+    def forward(self, tokens, cache: KVCache, logits: str = "last", one_by_one: bool = False) -> np.ndarray:
+        return graph.forward(self, tokens, cache, logits, one_by_one)
+
+    def run(self, b: Batch, kv: list[LayerKV], hidden: bool = False) -> np.ndarray | None:
+        return graph.run(self, self.layers, b, kv, hidden)
+
+    def head(self, ids) -> _Head:
+        idx = slice(0, int(ids)) if isinstance(ids, (int, np.integer)) else np.asarray(ids)
+        return _Head(_Linear(_rows(self.output.w, idx)))
+
+    # ---- the ops graph.run calls: mx arrays, evaluated once per forward (head_out / finish)
+
+    def begin(self, b: Batch) -> _State:
+        return _State(b, mx.array(b.positions.astype(np.int32)))
+
+    def embed(self, st: _State) -> mx.array:
+        raw, t = self._embd
+        x = gguf_dequantize(raw[st.b.tokens], t).astype(np.float32)
+        if self.cfg.embed_scale != 1.0:
+            x *= np.float32(self.cfg.embed_scale)
+        return mx.array(x)
+
+    def norm(self, st: _State, x: mx.array, w: mx.array, inplace: bool = False) -> mx.array:
+        return mx.fast.rms_norm(x, w, self.cfg.norm_eps)
+
+    def qkv(self, st: _State, L: Layer, h: mx.array):
+        return L.wq(h), L.wk(h), L.wv(h)
+
+    def head_norm(self, st: _State, t: mx.array, w: mx.array) -> mx.array:
+        hd = self.cfg.head_dim
+        return mx.fast.rms_norm(t.reshape(-1, hd), w, self.cfg.norm_eps).reshape(t.shape)
+
+    def attend(self, st: _State, L: Layer, lk: LayerKV, q, k, v) -> mx.array:
+        c, b = self.cfg, st.b
+        n, hd = len(b.tokens), c.head_dim
+        rope = lambda x, heads: mx.fast.rope(x.reshape(n, heads, 1, hd), c.rope_dim, traditional=not c.rope_neox,
+                                             base=None, scale=self.freq_scale, offset=st.positions,
+                                             freqs=self._freqs[float(L.theta_scale)]).reshape(n, heads, hd)
+        q, k = rope(q, c.n_head), rope(k, c.n_head_kv)
+        # 1/sqrt(head_dim) on q (gemma3, as llama.cpp) or on the scores
+        scale = hd ** -0.5
+        if c.scale_q:
+            q, scale = q * scale, 1.0
+        q = q.astype(mx.float16).astype(mx.float32)     # llama.cpp's q meets f16 K as f16 (either -fa)
+        lk.k.write(lk.slots, k.astype(mx.float16))
+        lk.v.write(lk.slots, v.reshape(n, c.n_head_kv, hd).astype(mx.float16))
+        st.written += [lk.k, lk.v]
+        out = []
+        for s in np.unique(b.seq):      # one sequence at a time: no row sees another's keys
+            rows = np.flatnonzero(b.seq == s)
+            logical = np.arange(lk.seq_slots[s])
+            phys = lk.tables[s][logical // PAGE] * PAGE + logical % PAGE
+            kpos, qpos = lk.pos[phys][None, :], b.positions[rows][:, None]
+            seen = (kpos >= 0) & (kpos <= qpos) & ((lk.window == 0) | (qpos - kpos < lk.window))
+            keep = seen.any(axis=0)
+            phys, seen = phys[keep], seen[:, keep]
+            ks = lk.k.read(phys).astype(mx.float32).transpose(1, 0, 2)[None]
+            vs = lk.v.read(phys).astype(mx.float32).transpose(1, 0, 2)[None]
+            qs = q[mx.array(rows)].transpose(1, 0, 2)[None]
+            mask = None if seen.all() else mx.array(seen)
+            o = mx.fast.scaled_dot_product_attention(qs, ks, vs, scale=scale, mask=mask)
+            out.append((rows, o[0].transpose(1, 0, 2).reshape(len(rows), -1)))
+        if len(out) == 1:
+            return out[0][1]
+        order = np.argsort(np.concatenate([r for r, _ in out]))
+        return mx.concatenate([o for _, o in out])[mx.array(order)]
+
+    def linear(self, st: _State, W: _Linear, x: mx.array) -> mx.array:
+        return W(x)
+
+    def rows(self, st: _State, x, o, rows):
+        r = mx.array(rows)
+        return x[r], o[r]
+
+    @staticmethod
+    def add(x: mx.array, o: mx.array) -> mx.array:
+        return x + o
+
+    def ffn(self, st: _State, L: Layer, h: mx.array) -> mx.array:
+        g, u = L.gate(h), L.up(h)
+        if self.cfg.act == "gelu_tanh":     # llama.cpp's: an f16 table over f16-rounded inputs within +-10
+            f16 = lambda t: t.astype(mx.float16).astype(mx.float32)
+            r = f16(g)
+            a = f16(0.5 * r * (1 + mx.tanh(np.float32(np.sqrt(2 / np.pi)) * r * (1 + np.float32(0.044715) * r * r))))
+            a = mx.where(g <= -10, 0, mx.where(g >= 10, g, a))
+        else:
+            a = g * mx.sigmoid(g)
+        return L.down(a * u)
+
+    def head_out(self, st: _State, x: mx.array, hidden: bool) -> np.ndarray:
+        h = mx.fast.rms_norm(x, self.output_norm, self.cfg.norm_eps)
+        out = h if hidden else self.output(h)
+        self.finish(st, out)
+        return np.array(out, dtype=np.float32)
+
+    def finish(self, st: _State, *more) -> None:
+        # the cache's arrays are evaluated with every forward, so their graphs never chain
+        mx.eval(*more, *(s.a for s in st.written))
