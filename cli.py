@@ -87,14 +87,18 @@ def _download_progress():
                    console=err, transient=True, disable=not err.is_terminal)
     task = None
 
-    def update(done, total, what):
-        nonlocal task
+    def update(done, total, what):      # a download, then (MLX) the weights' conversion
+        nonlocal task, shown
         if task is None:
-            bar.start()
             task = bar.add_task(what, total=total)
-        bar.update(task, completed=done, description=what)
+        if not shown:
+            bar.start()
+            shown = True
+        bar.update(task, completed=done, total=total, description=what)
         if done >= total:
             bar.stop()
+            shown = False
+    shown = False
     return update, bar
 
 

@@ -91,7 +91,7 @@ def load(model: str, progress: catalog.Progress | None = None, threads: int | No
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     from runner import backends
     try:
-        be = backends.make(backend, f, cfg, flash, cache_types)
+        be = backends.make(backend, f, cfg, flash, cache_types, progress)
     except backends.BackendError as e:
         raise ModelError(str(e)) from None
     except (quant.UnsupportedType, GGUFError) as e:

@@ -5,11 +5,13 @@ Apple Silicon (on Linux, mlx[cpu] runs it as a correctness vehicle: its referenc
 Weights are converted once at load by mlx_weights (every GGUF type exactly, no f16
 fallback): a copy out of the mmap, which unified memory makes the place they would go
 anyway. The embedding's rows are read from the mmap per token (gguf.quants' own
-dequantization), unless it doubles as the output head. K and V are float16, as llama.cpp's
+dequantization); a tied output head is converted as the other matrices. K and V are float16, as llama.cpp's
 default cache, in mx arrays that grow with the slots written; the slots' bookkeeping (the
 ring, n_keep, rollback, pages and tables) is runner/kv_cache.py's, shared with numba.
 
-Arithmetic: float32 activations, MLX's own matmul and attention order: logits agree with the
+Arithmetic: float32 activations rounded as llama.cpp rounds them where it does (a matmul's
+input to its weights' dot type, q to f16, its f16 GELU table), then MLX's own matmul and
+attention order: logits agree with the
 numba backend (llama.cpp's bits) to a stated tolerance (tests/test_mlx_backend.py), not to
 the bit. A row's result does not depend on the other rows of its forward (checked on the CPU
 build: quantized_matmul of M rows equals M one-row calls; attention runs per sequence), so
@@ -80,8 +82,8 @@ class _State:
 
 # llama.cpp rounds a matmul's input to its weights' "vec_dot_type" before the dot products
 # (quant/act.py does it for numba to the bit): doing the same here keeps MLX's logits within
-# float summation order of llama.cpp's instead of that rounding noise (measured on the 0.5b:
-# 1.7% -> see tests/test_mlx_backend.py)
+# float summation order of llama.cpp's instead of that rounding noise (the tiny models' first
+# position: ~1e-2 relative without it, ~2e-7 with it; tests/test_mlx_backend.py)
 _ACT = {**{t: "q8_0" for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)},
         **{t: "q8_K" for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)}, T.F16: "f16", T.BF16: "bf16"}
 

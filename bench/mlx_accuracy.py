@@ -1,0 +1,76 @@
+"""How near the MLX backend's answers are to llama.cpp's, against the llama.cpp fixtures the
+numba backend is tested with (tests/fixtures/model_*.json: -fa off; *_fa.json: -fa on):
+perplexity by llama.cpp's method on the first N tokens of tests/fixtures/ppl_text.txt, top-1
+agreement over those positions, and where each greedy 64-token continuation leaves
+llama.cpp's (with llama.cpp's top-2 gap there).
+
+    python bench/mlx_accuracy.py qwen2.5-coder:1.5b                 # the first 512-token chunk
+    python bench/mlx_accuracy.py gemma3:270m --tokens 0 --no-greedy # the whole text (slow on mlx[cpu])
+
+The README's MLX table came from this (and the whole-text figures from
+`numbat perplexity MODEL --backend mlx -f tests/fixtures/ppl_text.txt`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+FIXTURES = ROOT / "tests" / "fixtures"
+
+
+def first_divergence(ours: list[int], ref: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="a catalog name with fixtures: qwen2.5-coder:0.5b, qwen2.5-coder:1.5b, gemma3:270m")
+    ap.add_argument("--tokens", type=int, default=512, help="score the first N tokens (0: the whole text)")
+    ap.add_argument("--no-greedy", action="store_true", help="skip the greedy continuations")
+    a = ap.parse_args()
+    from runner.model import load
+    from runner.perplexity import perplexity
+    stem = "model_" + a.model.replace(":", "-")
+    try:
+        off, on = (json.loads((FIXTURES / f"{stem}{s}.json").read_text(encoding="utf-8")) for s in ("", "_fa"))
+    except FileNotFoundError:
+        sys.exit(f"no llama.cpp fixtures for {a.model} in {FIXTURES}")
+    m = load(a.model, backend="mlx")
+    ids = off["text_ids"][:a.tokens] if a.tokens else off["text_ids"]
+    t = time.perf_counter()
+    r = perplexity(m, ids, n_ctx=512)
+    print(f"{a.model} --backend mlx, {len(ids)} tokens: PPL {r.ppl:.4f} +/- {r.error:.4f} ({r.n_scored} scored, "
+          f"{time.perf_counter() - t:.0f} s)")
+    for label, fx in (("-fa off", off), ("-fa on", on)):
+        top1 = float((r.top1 == np.asarray(fx["perplexity"]["top1"][:len(r.top1)])).mean())
+        whole = f", llama.cpp's PPL over the whole text {fx['perplexity']['ppl']:.4f}" if not a.tokens else ""
+        print(f"  top-1 = llama.cpp {label}'s: {top1:.1%}{whole}")
+    if a.no_greedy:
+        return
+    for g_off, g_on in zip(off["greedy"], on["greedy"]):
+        if g_off["prompt"] is None:
+            continue
+        cache = m.make_cache(256)
+        logits = m.backend.forward(g_off["prompt_ids"], cache)[-1]
+        out = []
+        for _ in range(len(g_off["ids"])):
+            out.append(int(np.argmax(logits)))
+            if out != g_off["ids"][:len(out)] and out != g_on["ids"][:len(out)]:
+                break
+            logits = m.backend.forward(out[-1:], cache)[-1]
+        parts = []
+        for label, g in (("-fa off", g_off), ("-fa on", g_on)):
+            i = first_divergence(out, g["ids"])
+            parts.append(f"{label}: " + ("all 64" if i is None else f"leaves at step {i} (gap {g['gaps'][i]:.3f})"))
+        print(f"  greedy {g_off['prompt'][:24]!r}: " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
