@@ -20,6 +20,11 @@ from rich.console import Console
 import runner.env  # noqa: F401  (thread-pool defaults, before anything loads numpy)
 from models import catalog
 
+# numba imports scipy.linalg when it loads, only to learn whether compiled code may call
+# np.dot (numbat's kernels never do): 0.4-0.6 s of every start where scipy is installed.
+# This process never uses scipy; a library user of quant/runner keeps theirs.
+sys.modules.setdefault("scipy", None)
+
 
 
 def _kernel_cache_dir() -> Path:

@@ -10,6 +10,8 @@ was found.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from typing import Any
 
@@ -36,7 +38,16 @@ _FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 
 def validate(f: GGUFFile, cfg: ModelConfig) -> None:
     """Raise GGUFError unless `f` holds every tensor `cfg` makes the forward read, shaped as
-    `cfg` says, and a tokenizer consistent with its embedding rows."""
+    `cfg` says, and a tokenizer consistent with its embedding rows. Once per file and config:
+    the loader and each backend ask (a backend may be built from a file directly), and the
+    tokenizer's check costs ~0.2 s of every start."""
+    if getattr(f, "_validated_for", None) == cfg:
+        return
+    _validate(f, cfg)
+    f._validated_for = dataclasses.replace(cfg)     # a copy: a config changed later is checked again
+
+
+def _validate(f: GGUFFile, cfg: ModelConfig) -> None:
     def fail(what: str):
         raise GGUFError(f"{f.path}: {what}")
 
