@@ -1,6 +1,7 @@
-"""The CPU backend: one config-driven forward for llama, qwen2, qwen3 and gemma3 over the
-memory-mapped blocks. Decode (one token) runs the fused matvec kernels; prefill chunks go
-through the tiled matmul. Every activation buffer is allocated once, at load."""
+"""The CPU backend: the ops of graph.run (the one forward for llama, qwen2, qwen3 and gemma3)
+as numba kernels over the memory-mapped blocks. Decode (one token) runs the fused matvec
+kernels; prefill chunks go through the tiled matmul. Every activation buffer is allocated
+once, at load."""
 from __future__ import annotations
 
 import os
