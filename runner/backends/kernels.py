@@ -418,16 +418,22 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
         size = -(-nek[t] // nch[t])
         c0, c1 = c * size, min((c + 1) * size, nek[t], top[t])
         buf = scratch[get_thread_id()]
-        qb, acc, P = buf[:d], buf[d:2 * d], buf[2 * d:2 * d + 64 * 16]    # P: 64 lanes of 16 scores
+        # per query head of the group: q, its value sums, M and S; P: 64 lanes of 16 scores
+        gd = group * d
+        qs, accs, P = buf[:gd], buf[gd:2 * gd], buf[2 * gd:2 * gd + 64 * 16]
+        Ms, Ss = buf[2 * gd + 64 * 16:2 * gd + 64 * 16 + group], buf[2 * gd + 64 * 16 + group:2 * gd + 64 * 16 + 2 * group]
         p1 = qpos[t]
         tile = qmode[t] == FA_TILE
         for e in range(group):
             h = g * group + e
             for j in range(d):
-                qb[j] = q[t, h, j] if tile else h2f(f2h(q[t, h, j]))
-                acc[j] = 0
-            M, S = f32(-np.inf), f32(0)     # float32 throughout: exp of a float64 would round differently
-            if tile:
+                qs[e * d + j] = q[t, h, j] if tile else h2f(f2h(q[t, h, j]))
+                accs[e * d + j] = 0
+            Ms[e], Ss[e] = f32(-np.inf), f32(0)     # float32 throughout: exp of a float64 would round differently
+        if tile:
+            for e in range(group):
+                qb, acc = qs[e * d:(e + 1) * d], accs[e * d:(e + 1) * d]
+                M, S = Ms[e], Ss[e]
                 for b0 in range(0, top[t], 64):          # a tile of 64 cells (one page)
                     k0 = tab[b0 >> 6] * kpage + g * d * stride
                     tmax = f32(-np.inf)
@@ -461,36 +467,50 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
                         vr = vf[v0 + cc * d:v0 + cc * d + d]
                         for j in range(d):
                             acc[j] = fma32(h2f(vr[j]), w, acc[j])
-            else:
-                for b0 in range(c0 - (c0 & 15), c1, 16):
-                    k0 = tab[b0 >> 6] * kpage + g * d * stride + (b0 & 63)
-                    _scores_one(d, kf, k0, stride, qb, P)
+                Ms[e], Ss[e] = M, S
+        else:
+            # 16 cells at a time for all the group's heads, cell by cell across the heads:
+            # a cell's K and V rows are read from memory once and from L1 for the other heads,
+            # and the heads' f16 value sums are independent chains the core overlaps (one
+            # head's chain of convert-fma-convert per cell is latency-bound). Each head's float
+            # steps are its own, in cell order, as before.
+            Pe = buf[2 * gd + 64 * 16 + 2 * group:2 * gd + 64 * 16 + 18 * group]
+            for b0 in range(c0 - (c0 & 15), c1, 16):
+                k0 = tab[b0 >> 6] * kpage + g * d * stride + (b0 & 63)
+                for e in range(group):
+                    _scores_one(d, kf, k0, stride, qs[e * d:(e + 1) * d], P)
                     for cc in range(16):
-                        s = b0 + cc
-                        if s < c0 or s >= c1 or not _visible(kpos[_row(tab, s)], p1, window):
-                            continue
-                        sv = P[cc] * scale
+                        Pe[e * 16 + cc] = P[cc] * scale
+                for cc in range(16):
+                    s = b0 + cc
+                    if s < c0 or s >= c1 or not _visible(kpos[_row(tab, s)], p1, window):
+                        continue
+                    r = _row(tab, s)
+                    v0 = (r >> 6) * vpage + g * 64 * d + (r & 63) * d
+                    for e in range(group):
+                        a0, M, sv = e * d, Ms[e], Pe[e * 16 + cc]     # offsets, not slices: no view per cell
                         ms, vs = f32(1), f32(1)
                         if sv > M:
                             ms = f32(math.exp(M - sv))
                             M = sv
                             if d % 16 == 0:
                                 for j in range(0, d, 16):
-                                    mul16h(acc, j, ms)
+                                    mul16h(accs, a0 + j, ms)
                             else:
                                 for j in range(d):
-                                    acc[j] = h2f(f2h(acc[j] * ms))
+                                    accs[a0 + j] = h2f(f2h(accs[a0 + j] * ms))
                         else:
                             vs = f32(math.exp(sv - M))
-                        r = _row(tab, s)
-                        v0 = (r >> 6) * vpage + g * 64 * d + (r & 63) * d
                         if d % 16 == 0:
                             for j in range(0, d, 16):
-                                fma16h(acc, j, vf, v0 + j, vs)
+                                fma16h(accs, a0 + j, vf, v0 + j, vs)
                         else:
                             for j in range(d):
-                                acc[j] = h2f(f2h(fma32(h2f(vf[v0 + j]), vs, acc[j])))
-                        S = fma32(S, ms, vs)
+                                accs[a0 + j] = h2f(f2h(fma32(h2f(vf[v0 + j]), vs, accs[a0 + j])))
+                        Ms[e], Ss[e] = M, fma32(Ss[e], ms, vs)
+        for e in range(group):
+            h = g * group + e
+            acc, M, S = accs[e * d:(e + 1) * d], Ms[e], Ss[e]
             if pidx[t] >= 0:
                 pr = part[pidx[t], h, c]
                 pr[0], pr[1] = M, S
@@ -661,37 +681,50 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
             if _visible(kpos[_row(tab, s)], qpos[t], window):
                 top = s + 1
         buf = scratch[get_thread_id()]
-        qb, acc, vrow, P = buf[:d], buf[d:2 * d], buf[2 * d:3 * d], buf[3 * d:3 * d + 64 * 16]
-        qq = np.zeros(d, np.int8)
+        # per query head of the group: q (f16 K), value sums, scores of 16 cells, M and S. The
+        # heads go cell by cell together, so a cell's K and V rows are read (and a quantized V
+        # row dequantized) once for the group; each head's float steps stay its own, in order
+        gd, o1 = group * d, 2 * group * d + d + 64 * 16
+        qbs, accs, vrow, P = buf[:gd], buf[gd:2 * gd], buf[2 * gd:2 * gd + d], buf[2 * gd + d:o1]
+        Pe, Ms, Ss = buf[o1:o1 + 16 * group], buf[o1 + 16 * group:o1 + 17 * group], buf[o1 + 17 * group:o1 + 18 * group]
+        qq = np.zeros(gd, np.int8)
         pb = np.zeros(32, np.int32)
-        qd = np.empty(nb, np.float32)
+        qd = np.empty(group * nb, np.float32)
         qraw = np.empty(nb * 34, np.uint8)
         p1 = qpos[t]
         for e in range(group):
             h = g * group + e
             if kt == KV_F16:
                 for j in range(d):
-                    qb[j] = h2f(f2h(q[t, h, j]))
+                    qbs[e * d + j] = h2f(f2h(q[t, h, j]))
             else:
                 q8_0_row(q[t, h], qraw)
                 for b in range(nb):
-                    qd[b] = _get_f16(qraw, b * 34)
+                    qd[e * nb + b] = _get_f16(qraw, b * 34)
                     for j in range(32):
-                        qq[b * 32 + j] = np.int8(np.int32(qraw[b * 34 + 2 + j]) - (np.int32(qraw[b * 34 + 2 + j]) >> 7 << 8))
+                        qq[e * d + b * 32 + j] = np.int8(np.int32(qraw[b * 34 + 2 + j]) - (np.int32(qraw[b * 34 + 2 + j]) >> 7 << 8))
             for j in range(d):
-                acc[j] = 0
-            M, S = f32(-np.inf), f32(0)
-            for b0 in range(0, top, 16):
-                if kt == KV_F16:
-                    k0 = tab[b0 >> 6] * (n_kv * d * k.shape[3]) + g * d * k.shape[3] + (b0 & 63)
-                    _scores_one(d, k.ravel(), k0, k.shape[3], qb, P)
-                for cc in range(16):
-                    s = b0 + cc
-                    if s >= top or not _visible(kpos[_row(tab, s)], p1, window):
-                        continue
-                    r = _row(tab, s)
-                    pg, o = r >> 6, r & 63
-                    raw = P[cc] if kt == KV_F16 else _dot_q(k[pg, g, o], kt, qq, qd, nb, pb)
+                accs[e * d + j] = 0
+            Ms[e], Ss[e] = f32(-np.inf), f32(0)
+        for b0 in range(0, top, 16):
+            if kt == KV_F16:
+                k0 = tab[b0 >> 6] * (n_kv * d * k.shape[3]) + g * d * k.shape[3] + (b0 & 63)
+                for e in range(group):
+                    _scores_one(d, k.ravel(), k0, k.shape[3], qbs[e * d:(e + 1) * d], P)
+                    for cc in range(16):
+                        Pe[e * 16 + cc] = P[cc]
+            for cc in range(16):
+                s = b0 + cc
+                if s >= top or not _visible(kpos[_row(tab, s)], p1, window):
+                    continue
+                r = _row(tab, s)
+                pg, o = r >> 6, r & 63
+                if vt != KV_F16:
+                    _deq_row(v[pg, g, o], vt, nb, vrow)
+                for e in range(group):
+                    acc = accs[e * d:(e + 1) * d]
+                    M, S = Ms[e], Ss[e]
+                    raw = Pe[e * 16 + cc] if kt == KV_F16 else _dot_q(k[pg, g, o], kt, qq[e * d:(e + 1) * d], qd[e * nb:(e + 1) * nb], nb, pb)
                     sv = raw * scale
                     ms, vs = f32(1), f32(1)
                     if sv > M:
@@ -706,13 +739,15 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
                         for j in range(d):
                             acc[j] = h2f(f2h(fma32(h2f(vr[j]), vs, acc[j])))
                     else:
-                        _deq_row(v[pg, g, o], vt, nb, vrow)
                         for j in range(d):
                             acc[j] = fma32(vrow[j], vs, acc[j])
-                    S = fma32(S, ms, vs)
+                    Ms[e], Ss[e] = M, fma32(S, ms, vs)
+        for e in range(group):
+            h = g * group + e
+            S = Ss[e]
             inv = f32(0) if S == 0 else f32(1) / S
             for j in range(d):
-                out[t, h, j] = acc[j] * inv
+                out[t, h, j] = accs[e * d + j] * inv
 
 
 @njit(parallel=True, cache=True)
