@@ -244,3 +244,43 @@ def mul16h(typingctx, acc, ai, s):
         builder.store(builder.fpext(builder.fptrunc(r, ir.VectorType(ir.HalfType(), 16)), v16), pa, align=4)
         return context.get_dummy_value()
     return types.none(acc, ai, types.float32), codegen
+
+
+def _dotq_block(q4: bool):
+    """An intrinsic f(k, ko, qq, qo, dd, acc, ao): one block of ggml_vec_dot_q8_0_q8_0 (or
+    _q4_0_q8_0) in its AVX2 steps. k: uint8 bytes, the block's codes at k[ko:] (q8_0: 32 int8;
+    q4_0: 16 bytes, element j < 16 the low nibble of byte j, j >= 16 the high one of byte
+    j - 16, minus 8); qq: int8 codes of q at qq[qo:]. The 32 products (exact in int16) summed
+    4 at a time into 8 int32 lanes, each lane fma'd with dd into acc[ao + lane]."""
+    @intrinsic
+    def f(typingctx, k, ko, qq, qo, dd, acc, ao):
+        def codegen(context, builder, sig, args):
+            ak, ako, aqq, aqo, add_, aacc, aao = args
+            i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+            V = lambda t, n: ir.VectorType(t, n)
+            idx = lambda xs: ir.Constant(V(i32, len(xs)), list(xs))
+            kp = builder.gep(context.make_array(sig.args[0])(context, builder, ak).data, [ako])
+            qp = builder.gep(context.make_array(sig.args[2])(context, builder, aqq).data, [aqo])
+            if q4:
+                b = builder.load(builder.bitcast(kp, V(i8, 16).as_pointer()), align=1)
+                lo = builder.and_(b, ir.Constant(V(i8, 16), [15] * 16))
+                hi = builder.lshr(b, ir.Constant(V(i8, 16), [4] * 16))
+                kv = builder.sub(builder.shuffle_vector(lo, hi, idx(range(32))), ir.Constant(V(i8, 32), [8] * 32))
+            else:
+                kv = builder.load(builder.bitcast(kp, V(i8, 32).as_pointer()), align=1)
+            qv = builder.load(builder.bitcast(qp, V(i8, 32).as_pointer()), align=1)
+            p = builder.sext(builder.mul(builder.sext(kv, V(i16, 32)), builder.sext(qv, V(i16, 32))), V(i32, 32))
+            p = builder.add(builder.shuffle_vector(p, p, idx(range(0, 32, 2))), builder.shuffle_vector(p, p, idx(range(1, 32, 2))))
+            p = builder.add(builder.shuffle_vector(p, p, idx(range(0, 16, 2))), builder.shuffle_vector(p, p, idx(range(1, 16, 2))))
+            v8 = V(ir.FloatType(), 8)
+            pa = builder.bitcast(builder.gep(context.make_array(sig.args[5])(context, builder, aacc).data, [aao]), v8.as_pointer())
+            splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, ir.Undefined), add_, ir.Constant(i32, 0)),
+                                           ir.Constant(v8, ir.Undefined), idx([0] * 8))
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]), "llvm.fma.v8f32")
+            builder.store(builder.call(fma, [splat, builder.sitofp(p, v8), builder.load(pa, align=4)]), pa, align=4)
+            return context.get_dummy_value()
+        return types.none(k, ko, qq, qo, types.float32, acc, ao), codegen
+    return f
+
+
+dotq8_block, dotq4_block = _dotq_block(False), _dotq_block(True)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 from numba import get_thread_id, njit, prange
 
-from quant.intrin import add16, bits_f32, f2h, f32_bits, fma16, fma16h, fma32, h2f, mul16, mul16h, pv16, scores16
+from quant.intrin import add16, bits_f32, dotq4_block, dotq8_block, f2h, f32_bits, fma16, fma16h, fma32, h2f, mul16, mul16h, pv16, scores16
 
 f32 = np.float32
 _C = [f32(float.fromhex(h)) for h in ("0x1.8p23", "0x1.715476p+0", "0x1.7f7d1cp-20", "0x1.62e4p-1", "0x1.0e4020p-7",
@@ -618,32 +618,21 @@ def _put_q(x, out, t):
 
 
 @njit(inline="always")
-def _dot_q(kr, kt, qq, qd, nb, pb):
-    """ggml_vec_dot_q8_0_q8_0 / _q4_0_q8_0 (AVX2 steps) of a cached row with q in q8_0: per
-    block 8 integer lanes of 4 products, each lane fma'd with d_k * d_q into its own sum,
-    then hsum_float_8. pb: 32 int32 of scratch."""
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = f32(0)
+def _dot_q(kf, ko, kt, qq, qo, qd, qdo, nb, a):
+    """ggml_vec_dot_q8_0_q8_0 / _q4_0_q8_0 (AVX2 steps) of the cached row at kf[ko:] with q
+    in q8_0 (codes qq[qo:], block scales qd[qdo:]): per block 8 integer lanes of 4 products,
+    each lane fma'd with d_k * d_q into its own sum (a: 8 floats of scratch), then
+    hsum_float_8."""
+    for lane in range(8):
+        a[lane] = 0
+    bs = 34 if kt == KV_Q8_0 else 18
     for b in range(nb):
+        dd = _get_f16(kf, ko + b * bs) * qd[qdo + b]
         if kt == KV_Q8_0:
-            o = b * 34
-            for e in range(32):
-                pb[e] = np.int32(np.int8(kr[o + 2 + e])) * np.int32(qq[b * 32 + e])
+            dotq8_block(kf, ko + b * bs + 2, qq, qo + b * 32, dd, a, 0)
         else:
-            o = b * 18
-            for e in range(16):
-                byte = np.int32(kr[o + 2 + e])
-                pb[e] = ((byte & 15) - 8) * np.int32(qq[b * 32 + e])
-                pb[e + 16] = ((byte >> 4) - 8) * np.int32(qq[b * 32 + 16 + e])
-        dd = _get_f16(kr, o) * qd[b]
-        a0 = fma32(dd, f32(pb[0] + pb[1] + pb[2] + pb[3]), a0)
-        a1 = fma32(dd, f32(pb[4] + pb[5] + pb[6] + pb[7]), a1)
-        a2 = fma32(dd, f32(pb[8] + pb[9] + pb[10] + pb[11]), a2)
-        a3 = fma32(dd, f32(pb[12] + pb[13] + pb[14] + pb[15]), a3)
-        a4 = fma32(dd, f32(pb[16] + pb[17] + pb[18] + pb[19]), a4)
-        a5 = fma32(dd, f32(pb[20] + pb[21] + pb[22] + pb[23]), a5)
-        a6 = fma32(dd, f32(pb[24] + pb[25] + pb[26] + pb[27]), a6)
-        a7 = fma32(dd, f32(pb[28] + pb[29] + pb[30] + pb[31]), a7)
-    return ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))
+            dotq4_block(kf, ko + b * bs + 2, qq, qo + b * 32, dd, a, 0)
+    return ((a[4] + a[0]) + (a[6] + a[2])) + ((a[5] + a[1]) + (a[7] + a[3]))
 
 
 @njit(inline="always")
@@ -673,6 +662,7 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
     n_kv = k.shape[1]
     group = n_head // n_kv
     nb = d // 32
+    kf8, row = k.ravel(), k.shape[3]    # quantized K: a slot's row of blocks
     for i in prange(n_tok * n_kv):
         t, g = i // n_kv, i % n_kv
         tab = tables[qseq[t]]
@@ -688,7 +678,7 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
         qbs, accs, vrow, P = buf[:gd], buf[gd:2 * gd], buf[2 * gd:2 * gd + d], buf[2 * gd + d:o1]
         Pe, Ms, Ss = buf[o1:o1 + 16 * group], buf[o1 + 16 * group:o1 + 17 * group], buf[o1 + 17 * group:o1 + 18 * group]
         qq = np.zeros(gd, np.int8)
-        pb = np.zeros(32, np.int32)
+        a8 = np.zeros(8, np.float32)
         qd = np.empty(group * nb, np.float32)
         qraw = np.empty(nb * 34, np.uint8)
         p1 = qpos[t]
@@ -724,7 +714,7 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
                 for e in range(group):
                     acc = accs[e * d:(e + 1) * d]
                     M, S = Ms[e], Ss[e]
-                    raw = Pe[e * 16 + cc] if kt == KV_F16 else _dot_q(k[pg, g, o], kt, qq[e * d:(e + 1) * d], qd[e * nb:(e + 1) * nb], nb, pb)
+                    raw = Pe[e * 16 + cc] if kt == KV_F16 else _dot_q(kf8, ((pg * n_kv + g) * 64 + o) * row, kt, qq, e * d, qd, e * nb, nb, a8)
                     sv = raw * scale
                     ms, vs = f32(1), f32(1)
                     if sv > M:
