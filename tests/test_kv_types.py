@@ -107,17 +107,32 @@ KV = json.loads((FIXTURES / "kv_types.json").read_text(encoding="utf-8")) if (FI
 MODEL_FIXTURE = {"qwen2.5-coder:0.5b": "model_qwen2.5-coder-0.5b.json", "gemma3:270m": "model_gemma3-270m.json"}
 
 
+# (model, cache type, context): llama-perplexity -ctk t -ctv t -c ctx (flash attention on) on
+# the fixture text. Bit-exact except gemma3 past its window at 4096: its sliding layers are a
+# ring here (window + batch slots, reused in turn), llama.cpp's a full-size cache in position
+# order, and online softmax goes in cell order: measured 13.0585 against 13.0241 (+0.26%),
+# top-1 94.6%.
+CASES = [("qwen2.5-coder:0.5b", "q8_0", 512), ("qwen2.5-coder:0.5b", "q4_0", 512), ("gemma3:270m", "q8_0", 512),
+         ("qwen2.5-coder:0.5b", "q8_0", 4096), ("qwen2.5-coder:0.5b", "q4_0", 4096), ("gemma3:270m", "q8_0", 4096)]
+
+
 @pytest.mark.real
-@pytest.mark.parametrize("name,t", [("qwen2.5-coder:0.5b", "q8_0"), ("qwen2.5-coder:0.5b", "q4_0"), ("gemma3:270m", "q8_0")])
-def test_perplexity_with_quantized_cache_equals_llama_cpp(name, t):
-    """The same digits as llama.cpp's perplexity with -ctk/-ctv t (ctx 512), and every top-1."""
-    ref = KV[name][t]["512"]
+@pytest.mark.parametrize("name,t,ctx", CASES)
+def test_perplexity_with_quantized_cache_equals_llama_cpp(name, t, ctx):
+    """The same digits as llama.cpp's perplexity with -ctk/-ctv t, and every top-1 (gemma3 at
+    4096: within 0.5%, top-1 >= 90%)."""
+    ref = KV[name][t][str(ctx)]
     ids = json.loads((FIXTURES / MODEL_FIXTURE[name]).read_text(encoding="utf-8"))["text_ids"]
     m = load(name, threads=2, cache_types=(t, t))
-    r = perplexity(m, ids, n_ctx=512)
-    print(f"{name} -ctk/-ctv {t}: PPL {r.ppl:.4f} vs llama.cpp {ref['ppl']:.4f}")
-    assert f"{r.ppl:.4f}" == f"{ref['ppl']:.4f}"
-    assert (np.asarray(r.top1) == np.asarray(ref["top1"])).all()
+    r = perplexity(m, ids, n_ctx=ctx)
+    top1 = (np.asarray(r.top1) == np.asarray(ref["top1"])).mean()
+    print(f"{name} -ctk/-ctv {t} -c {ctx}: PPL {r.ppl:.4f} vs llama.cpp {ref['ppl']:.4f}, top-1 {top1:.1%}")
+    assert r.n_scored == ref["n_scored"]
+    if name == "gemma3:270m" and ctx > 1024:
+        assert abs(r.ppl / ref["ppl"] - 1) <= 0.005 and top1 >= 0.9
+    else:
+        assert f"{r.ppl:.4f}" == f"{ref['ppl']:.4f}"
+        assert top1 == 1.0
 
 
 def test_cli_cache_type_flags(tmp_path):

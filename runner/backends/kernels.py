@@ -663,6 +663,7 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
     group = n_head // n_kv
     nb = d // 32
     kf8, row = k.ravel(), k.shape[3]    # quantized K: a slot's row of blocks
+    vf = v.ravel()
     for i in prange(n_tok * n_kv):
         t, g = i // n_kv, i % n_kv
         tab = tables[qseq[t]]
@@ -711,26 +712,38 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
                 pg, o = r >> 6, r & 63
                 if vt != KV_F16:
                     _deq_row(v[pg, g, o], vt, nb, vrow)
+                v0 = ((pg * n_kv + g) * 64 + o) * d       # f16 V: the slot's row in vf
                 for e in range(group):
-                    acc = accs[e * d:(e + 1) * d]
-                    M, S = Ms[e], Ss[e]
+                    a0, M, S = e * d, Ms[e], Ss[e]       # offsets, not slices: no view per cell
                     raw = Pe[e * 16 + cc] if kt == KV_F16 else _dot_q(kf8, ((pg * n_kv + g) * 64 + o) * row, kt, qq, e * d, qd, e * nb, nb, a8)
                     sv = raw * scale
                     ms, vs = f32(1), f32(1)
                     if sv > M:
                         ms = f32(math.exp(M - sv))
                         M = sv
-                        for j in range(d):
-                            acc[j] = h2f(f2h(acc[j] * ms)) if vt == KV_F16 else acc[j] * ms
+                        if d % 16 == 0:
+                            for j in range(0, d, 16):
+                                if vt == KV_F16:
+                                    mul16h(accs, a0 + j, ms)
+                                else:
+                                    mul16(accs, a0 + j, accs, a0 + j, ms)
+                        else:
+                            for j in range(d):
+                                accs[a0 + j] = h2f(f2h(accs[a0 + j] * ms)) if vt == KV_F16 else accs[a0 + j] * ms
                     else:
                         vs = f32(math.exp(sv - M))
-                    if vt == KV_F16:
-                        vr = v[pg, g, o]
+                    if d % 16 == 0:
+                        for j in range(0, d, 16):
+                            if vt == KV_F16:
+                                fma16h(accs, a0 + j, vf, v0 + j, vs)
+                            else:
+                                fma16(accs, a0 + j, vrow, j, vs)
+                    elif vt == KV_F16:
                         for j in range(d):
-                            acc[j] = h2f(f2h(fma32(h2f(vr[j]), vs, acc[j])))
+                            accs[a0 + j] = h2f(f2h(fma32(h2f(vf[v0 + j]), vs, accs[a0 + j])))
                     else:
                         for j in range(d):
-                            acc[j] = fma32(vrow[j], vs, acc[j])
+                            accs[a0 + j] = fma32(vrow[j], vs, accs[a0 + j])
                     Ms[e], Ss[e] = M, fma32(S, ms, vs)
         for e in range(group):
             h = g * group + e
