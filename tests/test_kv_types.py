@@ -107,11 +107,12 @@ KV = json.loads((FIXTURES / "kv_types.json").read_text(encoding="utf-8")) if (FI
 MODEL_FIXTURE = {"qwen2.5-coder:0.5b": "model_qwen2.5-coder-0.5b.json", "gemma3:270m": "model_gemma3-270m.json"}
 
 
-# (model, cache type, context): llama-perplexity -ctk t -ctv t -c ctx (flash attention on) on
-# the fixture text. Bit-exact except gemma3 past its window at 4096: its sliding layers are a
-# ring here (window + batch slots, reused in turn), llama.cpp's a full-size cache in position
-# order, and online softmax goes in cell order: measured 13.0585 against 13.0241 (+0.26%),
-# top-1 94.6%.
+# (model, cache type, context): llama.cpp's perplexity with -ctk t -ctv t -c ctx (flash
+# attention on) on the fixture text, by llama-cpp-python (tests/oracle/gen_model_fixtures.py).
+# Bit-exact except gemma3 past 1024 tokens: llama-cpp-python's contexts default to a full-size
+# sliding-window cache (swa_full), whose cells stay in position order, while llama.cpp's tools
+# keep window + ubatch cells reused in turn, as numbat's ring does (test below); online softmax
+# goes in cell order. Measured 13.0585 against 13.0241 (+0.26%), top-1 94.6%.
 CASES = [("qwen2.5-coder:0.5b", "q8_0", 512), ("qwen2.5-coder:0.5b", "q4_0", 512), ("gemma3:270m", "q8_0", 512),
          ("qwen2.5-coder:0.5b", "q8_0", 4096), ("qwen2.5-coder:0.5b", "q4_0", 4096), ("gemma3:270m", "q8_0", 4096)]
 
@@ -133,6 +134,23 @@ def test_perplexity_with_quantized_cache_equals_llama_cpp(name, t, ctx):
     else:
         assert f"{r.ppl:.4f}" == f"{ref['ppl']:.4f}"
         assert top1 == 1.0
+
+
+# llama.cpp's own tool, whose gemma3 sliding layers are a ring like numbat's (swa_full off):
+# llama-perplexity -m gemma-3-270m-q4_k_m.gguf -f tests/fixtures/ppl_text.txt -c 2048 -t 2
+# -fa on -ctk T -ctv T (llama-cpp-python 0.3.36's sdist, 2 chunks: each wraps the ring)
+TOOL_2048 = {"f16": "16.4391", "q8_0": "16.3549"}
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("t", TOOL_2048)
+def test_gemma3_past_its_ring_equals_llama_perplexity(t):
+    ids = json.loads((FIXTURES / MODEL_FIXTURE["gemma3:270m"]).read_text(encoding="utf-8"))["text_ids"]
+    m = load("gemma3:270m", threads=2, cache_types=(t, t), flash=True)
+    assert min(lc.cap for lc in m.backend.make_cache(2048).layers) < 2048      # the sliding layers' ring wraps
+    r = perplexity(m, ids, n_ctx=2048)
+    print(f"gemma3 -ctk/-ctv {t} -c 2048: PPL {r.ppl:.4f} vs llama-perplexity {TOOL_2048[t]}")
+    assert f"{r.ppl:.4f}" == TOOL_2048[t]
 
 
 def test_cli_cache_type_flags(tmp_path):

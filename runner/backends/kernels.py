@@ -378,7 +378,8 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
     that speculative verification (a query per draft token) splits each as its decode did.
     Cells past them, or that a query may not see, are skipped as their -inf mask makes
     llama.cpp skip them. Work items: a query, a kv head and
-    a chunk of cells; the group's query heads run one after the other."""
+    a chunk of cells; the group's query heads go through each block of 16 cells together
+    (FA_TILE: one head after the other)."""
     n_tok, n_head, d = q.shape
     n_kv, stride = k.shape[1], k.shape[3]
     kpage, vpage = n_kv * d * stride, n_kv * 64 * d
