@@ -421,8 +421,9 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
         buf = scratch[get_thread_id()]
         # per query head of the group: q, its value sums, M and S; P: 64 lanes of 16 scores
         gd = group * d
-        qs, accs, P = buf[:gd], buf[gd:2 * gd], buf[2 * gd:2 * gd + 64 * 16]
-        Ms, Ss = buf[2 * gd + 64 * 16:2 * gd + 64 * 16 + group], buf[2 * gd + 64 * 16 + group:2 * gd + 64 * 16 + 2 * group]
+        o1 = 2 * gd + 64 * 16
+        qs, accs, P = buf[:gd], buf[gd:2 * gd], buf[2 * gd:o1]
+        Ms, Ss, Pe = buf[o1:o1 + group], buf[o1 + group:o1 + 2 * group], buf[o1 + 2 * group:o1 + 18 * group]
         p1 = qpos[t]
         tile = qmode[t] == FA_TILE
         for e in range(group):
@@ -475,7 +476,6 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
             # and the heads' f16 value sums are independent chains the core overlaps (one
             # head's chain of convert-fma-convert per cell is latency-bound). Each head's float
             # steps are its own, in cell order, as before.
-            Pe = buf[2 * gd + 64 * 16 + 2 * group:2 * gd + 64 * 16 + 18 * group]
             for b0 in range(c0 - (c0 & 15), c1, 16):
                 k0 = tab[b0 >> 6] * kpage + g * d * stride + (b0 & 63)
                 for e in range(group):
@@ -663,8 +663,8 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
     n_kv = k.shape[1]
     group = n_head // n_kv
     nb = d // 32
-    kf8, row = k.ravel(), k.shape[3]    # quantized K: a slot's row of blocks
-    vf = v.ravel()
+    kf, vf = k.ravel(), v.ravel()
+    row = k.shape[3]        # f16 K: a dim's slots (and a pad); quantized K: a slot's blocks
     for i in prange(n_tok * n_kv):
         t, g = i // n_kv, i % n_kv
         tab = tables[qseq[t]]
@@ -700,9 +700,9 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
             Ms[e], Ss[e] = f32(-np.inf), f32(0)
         for b0 in range(0, top, 16):
             if kt == KV_F16:
-                k0 = tab[b0 >> 6] * (n_kv * d * k.shape[3]) + g * d * k.shape[3] + (b0 & 63)
+                k0 = tab[b0 >> 6] * (n_kv * d * row) + g * d * row + (b0 & 63)
                 for e in range(group):
-                    _scores_one(d, k.ravel(), k0, k.shape[3], qbs[e * d:(e + 1) * d], P)
+                    _scores_one(d, kf, k0, row, qbs[e * d:(e + 1) * d], P)
                     for cc in range(16):
                         Pe[e * 16 + cc] = P[cc]
             for cc in range(16):
@@ -713,10 +713,11 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
                 pg, o = r >> 6, r & 63
                 if vt != KV_F16:
                     _deq_row(v[pg, g, o], vt, nb, vrow)
-                v0 = ((pg * n_kv + g) * 64 + o) * d       # f16 V: the slot's row in vf
+                slot = (pg * n_kv + g) * 64 + o         # its row in quantized K, f16 V
+                v0 = slot * d
                 for e in range(group):
                     a0, M, S = e * d, Ms[e], Ss[e]       # offsets, not slices: no view per cell
-                    raw = Pe[e * 16 + cc] if kt == KV_F16 else _dot_q(kf8, ((pg * n_kv + g) * 64 + o) * row, kt, qq, e * d, qd, e * nb, nb, a8)
+                    raw = Pe[e * 16 + cc] if kt == KV_F16 else _dot_q(kf, slot * row, kt, qq, e * d, qd, e * nb, nb, a8)
                     sv = raw * scale
                     ms, vs = f32(1), f32(1)
                     if sv > M:
