@@ -7,6 +7,7 @@ depth are bench/depth_compare.py's.
 
     python bench/attention_kernel.py TAG
     TYPES=q4_0/q4_0,f16/q8_0 SRC=/path/to/other/tree python bench/attention_kernel.py TAG2
+    CELLS=4096,16384 python bench/attention_kernel.py TAG3
 """
 import sys, time, os
 sys.path.insert(0, os.environ.get("SRC", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")))
@@ -57,7 +58,7 @@ if __name__ == "__main__":
     res = {}
     for name, shape in (("0.5b", (14, 2, 64)), ("1.5b", (12, 2, 128))):
         for types in [tuple(x.split("/")) for x in os.environ.get("TYPES", "f16/f16,q8_0/q8_0").split(",")]:
-            for cells in (4096,):
+            for cells in [int(c) for c in os.environ.get("CELLS", "4096").split(",")]:
                 t, o = run(shape, cells, types, 15 if types[0] == "f16" else 5)
                 print(f"{tag} {name} {types[0]} {cells}: min {t[0]*1e3:.3f} med {t[1]*1e3:.3f} ms", flush=True)
                 res[f"{name}_{types[0]}_{cells}"] = o

@@ -10,6 +10,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from quant.vnni import AVAILABLE as VNNI
+
 
 def _int_op(ty, op):
     @intrinsic
@@ -59,6 +61,30 @@ def bits_f32(typingctx, i):
     def codegen(context, builder, sig, args):
         return builder.bitcast(args[0], context.get_value_type(types.float32))
     return types.float32(types.int32), codegen
+
+
+@intrinsic
+def fma64(typingctx, a, b, c):
+    """a*b + c in float64 with one rounding."""
+    def codegen(context, builder, sig, args):
+        t = args[0].type
+        return builder.call(builder.module.declare_intrinsic("llvm.fma", [t], ir.FunctionType(t, [t, t, t])), args)
+    t = types.float64
+    return t(t, t, t), codegen
+
+
+@intrinsic
+def f64_bits(typingctx, x):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+    return types.int64(types.float64), codegen
+
+
+@intrinsic
+def bits_f64(typingctx, i):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+    return types.float64(types.int64), codegen
 
 
 @intrinsic
@@ -246,41 +272,65 @@ def mul16h(typingctx, acc, ai, s):
     return types.none(acc, ai, types.float32), codegen
 
 
-def _dotq_block(q4: bool):
-    """An intrinsic f(k, ko, qq, qo, dd, acc, ao): one block of ggml_vec_dot_q8_0_q8_0 (or
-    _q4_0_q8_0) in its AVX2 steps. k: uint8 bytes, the block's codes at k[ko:] (q8_0: 32 int8;
-    q4_0: 16 bytes, element j < 16 the low nibble of byte j, j >= 16 the high one of byte
-    j - 16, minus 8); qq: int8 codes of q at qq[qo:]. The 32 products (exact in int16) summed
-    4 at a time into 8 int32 lanes, each lane fma'd with dd into acc[ao + lane]."""
+def _dotq_row(q4: bool):
+    """An intrinsic f(k, ko, qq, qo, qd, qdo, nb) -> float32: ggml_vec_dot_q8_0_q8_0 (or
+    _q4_0_q8_0) of one row of nb blocks in its AVX2 steps, the sums kept in registers. k: uint8
+    bytes, block b at k[ko + b * size] (its f16 scale, then q8_0: 32 int8 codes; q4_0: 16
+    bytes, element j < 16 the low nibble of byte j, j >= 16 the high one of byte j - 16, minus
+    8); qq: int8 codes of q at qq[qo:], its block scales qd[qdo:]. Per block the 32 products
+    (exact in int16) are summed 4 at a time into 8 int32 lanes, each lane fma'd with
+    d_k * d_q into its own sum; then hsum_float_8's order."""
+    size = 18 if q4 else 34
+
     @intrinsic
-    def f(typingctx, k, ko, qq, qo, dd, acc, ao):
+    def f(typingctx, k, ko, qq, qo, qd, qdo, nb):
         def codegen(context, builder, sig, args):
-            ak, ako, aqq, aqo, add_, aacc, aao = args
-            i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+            ak, ako, aqq, aqo, aqd, aqdo, anb = args
+            i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
             V = lambda t, n: ir.VectorType(t, n)
             idx = lambda xs: ir.Constant(V(i32, len(xs)), list(xs))
-            kp = builder.gep(context.make_array(sig.args[0])(context, builder, ak).data, [ako])
-            qp = builder.gep(context.make_array(sig.args[2])(context, builder, aqq).data, [aqo])
-            if q4:
-                b = builder.load(builder.bitcast(kp, V(i8, 16).as_pointer()), align=1)
-                lo = builder.and_(b, ir.Constant(V(i8, 16), [15] * 16))
-                hi = builder.lshr(b, ir.Constant(V(i8, 16), [4] * 16))
-                kv = builder.sub(builder.shuffle_vector(lo, hi, idx(range(32))), ir.Constant(V(i8, 32), [8] * 32))
-            else:
-                kv = builder.load(builder.bitcast(kp, V(i8, 32).as_pointer()), align=1)
-            qv = builder.load(builder.bitcast(qp, V(i8, 32).as_pointer()), align=1)
-            p = builder.sext(builder.mul(builder.sext(kv, V(i16, 32)), builder.sext(qv, V(i16, 32))), V(i32, 32))
-            p = builder.add(builder.shuffle_vector(p, p, idx(range(0, 32, 2))), builder.shuffle_vector(p, p, idx(range(1, 32, 2))))
-            p = builder.add(builder.shuffle_vector(p, p, idx(range(0, 16, 2))), builder.shuffle_vector(p, p, idx(range(1, 16, 2))))
-            v8 = V(ir.FloatType(), 8)
-            pa = builder.bitcast(builder.gep(context.make_array(sig.args[5])(context, builder, aacc).data, [aao]), v8.as_pointer())
-            splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, ir.Undefined), add_, ir.Constant(i32, 0)),
-                                           ir.Constant(v8, ir.Undefined), idx([0] * 8))
+            v8 = V(f32, 8)
+            kdata = context.make_array(sig.args[0])(context, builder, ak).data
+            qdata = context.make_array(sig.args[2])(context, builder, aqq).data
+            ddata = context.make_array(sig.args[4])(context, builder, aqd).data
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]), "llvm.fma.v8f32")
-            builder.store(builder.call(fma, [splat, builder.sitofp(p, v8), builder.load(pa, align=4)]), pa, align=4)
-            return context.get_dummy_value()
-        return types.none(k, ko, qq, qo, types.float32, acc, ao), codegen
+            if VNNI:
+                ab = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V(i8, 32), [V(i8, 32), ir.IntType(1)]), "llvm.abs.v32i8")
+                sg = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V(i8, 32), [V(i8, 32)] * 2), "llvm.x86.avx2.psign.b")
+                dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V(i32, 8), [V(i32, 8), V(i8, 32), V(i8, 32)]),
+                                                    "llvm.x86.avx512.vpdpbusd.256")
+            accp = cgutils.alloca_once_value(builder, ir.Constant(v8, [0.0] * 8))   # a register after mem2reg
+            with cgutils.for_range(builder, anb) as loop:
+                b = loop.index
+                off = lambda base, c: builder.add(base, builder.mul(b, ir.Constant(b.type, c)))   # base + b * c
+                kp = builder.gep(kdata, [off(ako, size)])
+                dk = builder.fpext(builder.load(builder.bitcast(kp, ir.HalfType().as_pointer()), align=1), f32)
+                dd = builder.fmul(dk, builder.load(builder.gep(ddata, [off(aqdo, 1)]), align=4))
+                cp = builder.gep(kdata, [builder.add(off(ako, size), ir.Constant(ako.type, 2))])
+                if q4:
+                    x = builder.load(builder.bitcast(cp, V(i8, 16).as_pointer()), align=1)
+                    lo = builder.and_(x, ir.Constant(V(i8, 16), [15] * 16))
+                    hi = builder.lshr(x, ir.Constant(V(i8, 16), [4] * 16))
+                    kv = builder.sub(builder.shuffle_vector(lo, hi, idx(range(32))), ir.Constant(V(i8, 32), [8] * 32))
+                else:
+                    kv = builder.load(builder.bitcast(cp, V(i8, 32).as_pointer()), align=1)
+                qv = builder.load(builder.bitcast(builder.gep(qdata, [off(aqo, 32)]), V(i8, 32).as_pointer()), align=1)
+                if VNNI:     # |k| times q with k's sign (codes are never -128): 4 products a lane
+                    p = builder.call(dp, [ir.Constant(V(i32, 8), [0] * 8), builder.call(ab, [kv, ir.Constant(ir.IntType(1), 0)]),
+                                          builder.call(sg, [qv, kv])])
+                else:
+                    p = builder.sext(builder.mul(builder.sext(kv, V(i16, 32)), builder.sext(qv, V(i16, 32))), V(i32, 32))
+                    p = builder.add(builder.shuffle_vector(p, p, idx(range(0, 32, 2))), builder.shuffle_vector(p, p, idx(range(1, 32, 2))))
+                    p = builder.add(builder.shuffle_vector(p, p, idx(range(0, 16, 2))), builder.shuffle_vector(p, p, idx(range(1, 16, 2))))
+                splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, ir.Undefined), dd, ir.Constant(i32, 0)),
+                                               ir.Constant(v8, ir.Undefined), idx([0] * 8))
+                builder.store(builder.call(fma, [splat, builder.sitofp(p, v8), builder.load(accp)]), accp)
+            acc = builder.load(accp)
+            a = [builder.extract_element(acc, ir.Constant(i32, j)) for j in range(8)]
+            return builder.fadd(builder.fadd(builder.fadd(a[4], a[0]), builder.fadd(a[6], a[2])),
+                                builder.fadd(builder.fadd(a[5], a[1]), builder.fadd(a[7], a[3])))
+        return types.float32(k, ko, qq, qo, qd, qdo, nb), codegen
     return f
 
 
-dotq8_block, dotq4_block = _dotq_block(False), _dotq_block(True)
+dotq8_row, dotq4_row = _dotq_row(False), _dotq_row(True)

@@ -230,6 +230,39 @@ def test_exp_and_f16_rounding_kernels():
     np.testing.assert_array_equal(r, (-x).astype(np.float16).astype(np.float32))
 
 
+def test_libm_expf_is_the_c_librarys_expf_on_every_float():
+    """The inlined expf of the online softmax returns the C library's expf (what llama.cpp
+    calls, and what numba's math.exp calls) on all 2**32 float32 inputs: nans as nans,
+    infinities, subnormal results, and the two inputs where an unfused z - kd would round
+    the other way. Probed through ctypes too, so the reference is the library, not numba."""
+    import ctypes
+    import ctypes.util
+    import math
+    from numba import njit, prange
+    from quant.intrin import bits_f32, f32_bits
+    from runner.backends.kernels import libm_expf
+
+    @njit(parallel=True)
+    def mismatches(chunks):
+        bad = np.zeros(chunks, np.int64)
+        n = (1 << 32) // chunks
+        for c in prange(chunks):
+            for i in range(c * n, (c + 1) * n):
+                x = bits_f32(np.int32(i - (1 << 32) if i >= 1 << 31 else i))
+                a, e = libm_expf(x), np.float32(math.exp(x))
+                if f32_bits(a) != f32_bits(e) and not (a != a and e != e):
+                    bad[c] += 1
+        return bad.sum()
+    assert mismatches(64) == 0
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.expf.restype, libm.expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    one = njit(lambda x: libm_expf(x))
+    for h in ("0x1.04845ep+5", "-0x1.f8cbb2p+5", "-0x1.9fe368p6", "-0x1.9d1d9ep6", "0x1.62e42ep6", "-0x1p-30", "-0x1.5p4"):
+        x = np.float32(float.fromhex(h))
+        assert np.float32(one(x)).view(np.uint32) == np.float32(libm.expf(x)).view(np.uint32), h
+    assert one(np.float32(-np.inf)) == 0 and one(np.float32(np.inf)) == np.inf and np.isnan(one(np.float32(np.nan)))
+
+
 def test_rope_store_is_rope_then_f16_rounding_into_the_slots():
     """The fused kernel equals its numpy steps bit for bit: RoPE, q scaled and rounded to f16,
     k and v rounded to f16 at their slots (k stored dim-major), other slots untouched; f16

@@ -3,11 +3,13 @@ over the ring cache, gated activations. Callers pass every output and scratch bu
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 
 import numpy as np
 from numba import get_thread_id, njit, prange
 
-from quant.intrin import add16, bits_f32, dotq4_block, dotq8_block, f2h, f32_bits, fma16, fma16h, fma32, h2f, mul16, mul16h, pv16, scores16
+from quant.intrin import (add16, bits_f32, bits_f64, dotq4_row, dotq8_row, f2h, f32_bits, f64_bits, fma16, fma16h, fma32,
+                          fma64, h2f, mul16, mul16h, pv16, scores16)
 
 f32 = np.float32
 _C = [f32(float.fromhex(h)) for h in ("0x1.8p23", "0x1.715476p+0", "0x1.7f7d1cp-20", "0x1.62e4p-1", "0x1.0e4020p-7",
@@ -32,6 +34,41 @@ def expf(x):
     h = ni >> 1
     res = j * _pow2(h) * _pow2(ni - h)
     return res if abs(n) <= 192 else (f32(0) if n <= 0 else f32(np.inf))
+
+
+# glibc's expf (since 2.28; x86-64 runs its FMA build where the CPU has FMA): x * 32/ln2 split
+# into k + r, 2**(k/32) from a table of 32 doubles, a cubic in r, all in float64.
+_EXPF_T = np.array([np.float64(float(Decimal(2) ** (Decimal(i) / 32))).view(np.int64) - (i << 47) for i in range(32)], np.int64)
+_EXPF_N = float.fromhex("0x1.71547652b82fep+5")         # 32 / ln 2
+_EXPF_C = (float.fromhex("0x1.c6af84b912394p-20"), float.fromhex("0x1.ebfce50fac4f3p-13"), float.fromhex("0x1.62e42ff0c52d6p-6"))
+_EXPF_SHIFT = float.fromhex("0x1.8p+52")
+_EXPF_HI, _EXPF_LO = f32(float.fromhex("0x1.62e42ep6")), f32(float.fromhex("-0x1.9fe368p6"))
+
+
+@njit(inline="always")
+def libm_expf(x):
+    """expf(x) as glibc computes it, bit for bit (all 2**32 inputs checked against the C
+    library's in tests/test_kernel_paths.py): the expf llama.cpp's scalar online softmax
+    calls, inlined, so a kernel keeps its vector registers across it instead of a call
+    that clobbers them all."""
+    top = (f32_bits(x) >> 20) & 0x7ff
+    if top >= 0x42b:                # |x| >= 88, inf or nan
+        if f32_bits(x) == np.int32(-8388608):
+            return f32(0)
+        if top >= 0x7f8:
+            return x + x
+        if x > _EXPF_HI:
+            return f32(np.inf)
+        if x < _EXPF_LO:
+            return f32(0)
+    xd = np.float64(x)
+    kd = _EXPF_N * xd + _EXPF_SHIFT        # round to an integer k, its bits in the mantissa
+    ki = f64_bits(kd)
+    kd = kd - _EXPF_SHIFT
+    r = fma64(_EXPF_N, xd, -kd)             # the FMA build fuses z - kd with z = x * 32/ln2
+    s = bits_f64(_EXPF_T[ki & 31] + (ki << 47))
+    c0, c1, c2 = _EXPF_C
+    return f32(fma64(fma64(c0, r, c1), r * r, fma64(c2, r, 1.0)) * s)
 
 
 @njit(inline="always")
@@ -450,7 +487,7 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
                     if tmax == -np.inf:
                         continue
                     if tmax > M:
-                        ms = f32(math.exp(M - tmax))
+                        ms = libm_expf(M - tmax)
                         for j in range(d):
                             acc[j] = acc[j] * ms
                         S = S * ms
@@ -492,7 +529,7 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
                         a0, M, sv = e * d, Ms[e], Pe[e * 16 + cc]     # offsets, not slices: no view per cell
                         ms, vs = f32(1), f32(1)
                         if sv > M:
-                            ms = f32(math.exp(M - sv))
+                            ms = libm_expf(M - sv)
                             M = sv
                             if d % 16 == 0:
                                 for j in range(0, d, 16):
@@ -501,7 +538,7 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
                                 for j in range(d):
                                     accs[a0 + j] = h2f(f2h(accs[a0 + j] * ms))
                         else:
-                            vs = f32(math.exp(sv - M))
+                            vs = libm_expf(sv - M)
                         if d % 16 == 0:
                             for j in range(0, d, 16):
                                 fma16h(accs, a0 + j, vf, v0 + j, vs)
@@ -532,7 +569,7 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
                 if pr[1] == 0:
                     continue
                 mn = max(M, pr[0])
-                so, sn = f32(math.exp(M - mn)), f32(math.exp(pr[0] - mn))
+                so, sn = libm_expf(M - mn), libm_expf(pr[0] - mn)
                 for j in range(d):
                     acc[j] = fma32(acc[j], so, pr[2 + j] * sn)
                 S = fma32(S, so, pr[1] * sn)
@@ -619,21 +656,10 @@ def _put_q(x, out, t):
 
 
 @njit(inline="always")
-def _dot_q(kf, ko, kt, qq, qo, qd, qdo, nb, a):
-    """ggml_vec_dot_q8_0_q8_0 / _q4_0_q8_0 (AVX2 steps) of the cached row at kf[ko:] with q
-    in q8_0 (codes qq[qo:], block scales qd[qdo:]): per block 8 integer lanes of 4 products,
-    each lane fma'd with d_k * d_q into its own sum (a: 8 floats of scratch), then
-    hsum_float_8."""
-    for lane in range(8):
-        a[lane] = 0
-    bs = 34 if kt == KV_Q8_0 else 18
-    for b in range(nb):
-        dd = _get_f16(kf, ko + b * bs) * qd[qdo + b]
-        if kt == KV_Q8_0:
-            dotq8_block(kf, ko + b * bs + 2, qq, qo + b * 32, dd, a, 0)
-        else:
-            dotq4_block(kf, ko + b * bs + 2, qq, qo + b * 32, dd, a, 0)
-    return ((a[4] + a[0]) + (a[6] + a[2])) + ((a[5] + a[1]) + (a[7] + a[3]))
+def _dot_q(kf, ko, kt, qq, qo, qd, qdo, nb):
+    """ggml_vec_dot_q8_0_q8_0 / _q4_0_q8_0 of the cached row at kf[ko:] with q in q8_0 (codes
+    qq[qo:], block scales qd[qdo:])."""
+    return dotq8_row(kf, ko, qq, qo, qd, qdo, nb) if kt == KV_Q8_0 else dotq4_row(kf, ko, qq, qo, qd, qdo, nb)
 
 
 @njit(inline="always")
@@ -680,7 +706,6 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
         qbs, accs, vrow, P = buf[:gd], buf[gd:2 * gd], buf[2 * gd:2 * gd + d], buf[2 * gd + d:o1]
         Pe, Ms, Ss = buf[o1:o1 + 16 * group], buf[o1 + 16 * group:o1 + 17 * group], buf[o1 + 17 * group:o1 + 18 * group]
         qq = np.zeros(gd, np.int8)
-        a8 = np.zeros(8, np.float32)
         qd = np.empty(group * nb, np.float32)
         qraw = np.empty(nb * 34, np.uint8)
         p1 = qpos[t]
@@ -705,6 +730,12 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
                     _scores_one(d, kf, k0, row, qbs[e * d:(e + 1) * d], P)
                     for cc in range(16):
                         Pe[e * 16 + cc] = P[cc]
+            else:       # the block's dots first, apart from the softmax's dependency chains
+                for cc in range(16):
+                    r = _row(tab, b0 + cc)
+                    k0 = ((r >> 6) * n_kv + g) * 64 + (r & 63)
+                    for e in range(group):
+                        Pe[e * 16 + cc] = _dot_q(kf, k0 * row, kt, qq, e * d, qd, e * nb, nb)
             for cc in range(16):
                 s = b0 + cc
                 if s >= top or not _visible(kpos[_row(tab, s)], p1, window):
@@ -717,11 +748,10 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
                 v0 = slot * d
                 for e in range(group):
                     a0, M, S = e * d, Ms[e], Ss[e]       # offsets, not slices: no view per cell
-                    raw = Pe[e * 16 + cc] if kt == KV_F16 else _dot_q(kf, slot * row, kt, qq, e * d, qd, e * nb, nb, a8)
-                    sv = raw * scale
+                    sv = Pe[e * 16 + cc] * scale
                     ms, vs = f32(1), f32(1)
                     if sv > M:
-                        ms = f32(math.exp(M - sv))
+                        ms = libm_expf(M - sv)
                         M = sv
                         if d % 16 == 0:
                             for j in range(0, d, 16):
@@ -733,7 +763,7 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
                             for j in range(d):
                                 accs[a0 + j] = h2f(f2h(accs[a0 + j] * ms)) if vt == KV_F16 else accs[a0 + j] * ms
                     else:
-                        vs = f32(math.exp(sv - M))
+                        vs = libm_expf(sv - M)
                     if d % 16 == 0:
                         for j in range(0, d, 16):
                             if vt == KV_F16:
