@@ -129,8 +129,8 @@ def _load(model: str | None, threads: int | None = None, fa: str = "auto", types
     for flag, t in zip(("-ctk/--cache-type-k", "-ctv/--cache-type-v"), types):
         if t not in CACHE_TYPES:
             raise UserError(f"{flag} must be one of {', '.join(CACHE_TYPES)}, got {t!r}")
-    if types != ("f16", "f16") and fa == "off":
-        raise UserError("a quantized KV cache needs flash attention: drop -fa off (llama.cpp needs it for V too)")
+    if types[1] != "f16" and fa == "off":
+        raise UserError("a quantized V cache needs flash attention: drop -fa off or -ctv (llama.cpp refuses it too)")
     name = model or catalog.DEFAULT_MODEL
     if name in catalog.CATALOG and not catalog.is_cached(name):
         err.print(f"pulling {name} (first use)")

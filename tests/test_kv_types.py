@@ -153,6 +153,47 @@ def test_gemma3_past_its_ring_equals_llama_perplexity(t):
     assert f"{r.ppl:.4f}" == TOOL_2048[t]
 
 
+# llama.cpp's own tool with flash attention off and a quantized K (its mul_mat + soft_max path;
+# V stays f16, which llama.cpp requires there): llama-perplexity -m FILE -f
+# tests/fixtures/ppl_text.txt -c 512 -b 512 -t 2 -fa off -ctk T -ctv f16 (llama-cpp-python
+# 0.3.36's sdist). -b 512: one sequence per batch, as numbat and llama-cpp-python run; with its
+# default -b 2048 four sequences share one cache and -fa off's last digits move there (f16 too:
+# 5.9872 against 5.9853 at -b 512, which the fixtures and numbat give).
+TOOL_FA_OFF = {("qwen2.5-coder:0.5b", "q8_0"): "6.2079", ("qwen2.5-coder:0.5b", "q4_0"): "36.6590",
+               ("gemma3:270m", "q8_0"): "14.8995"}
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name,t", TOOL_FA_OFF)
+def test_fa_off_with_quantized_k_equals_llama_perplexity(name, t):
+    ids = json.loads((FIXTURES / MODEL_FIXTURE[name]).read_text(encoding="utf-8"))["text_ids"]
+    m = load(name, threads=2, cache_types=(t, "f16"), flash=False)
+    r = perplexity(m, ids, n_ctx=512)
+    print(f"{name} -fa off -ctk {t}: PPL {r.ppl:.4f} vs llama-perplexity {TOOL_FA_OFF[name, t]}")
+    assert f"{r.ppl:.4f}" == TOOL_FA_OFF[name, t]
+
+
+@pytest.mark.parametrize("t", ["q8_0", "q4_0"])
+def test_fa_off_quantized_k_on_a_tiny_model(tmp_path, t):
+    """-fa off with a quantized K, in prefill chunks and token by token, against the same
+    model with flash attention on and the same K: both within the quantization's noise of
+    the f16 cache, and apart from each other (the two paths' softmax steps differ)."""
+    f16 = _tiny(tmp_path, ("f16", "f16"), arch="qwen3")
+    ref = f16.backend.forward(IDS, f16.make_cache(64), logits="all")
+    path = tmp_path / "qwen3.gguf"
+    off, on = load(str(path), cache_types=(t, "f16"), flash=False), load(str(path), cache_types=(t, "f16"), flash=True)
+    a = off.backend.forward(IDS, off.make_cache(64), logits="all")
+    cache = off.make_cache(64)
+    steps = np.concatenate([off.backend.forward([i], cache).copy() for i in IDS])
+    b = on.backend.forward(IDS, on.make_cache(64), logits="all")
+    scale = np.abs(ref).max()
+    tol = 0.02 if t == "q8_0" else 0.2
+    for x in (a, steps, b):
+        assert np.abs(x - ref).max() <= tol * scale
+    assert np.abs(a - steps).max() <= 1e-3 * scale
+    assert not np.array_equal(a, b)
+
+
 def test_cli_cache_type_flags(tmp_path):
     from test_cli import assert_one_line_error, run
     path = write_tiny_model(tmp_path / "q3.gguf", arch="qwen3", seed=13, head_dim=32, weight_type=T.F32)
@@ -163,6 +204,8 @@ def test_cli_cache_type_flags(tmp_path):
     r = run("prompt", path, "hi", "--raw", "-n", "2", "-ctv", "q8_0", "-fa", "off")
     assert r.returncode == 1
     assert_one_line_error(r.stderr, "flash attention")
+    r = run("prompt", path, "hi", "--raw", "-n", "2", "-ctk", "q8_0", "-fa", "off")    # llama.cpp allows a quantized K
+    assert r.returncode == 0, r.stderr
     r = run("prompt", path, "hi", "--raw", "-n", "2", "-ctk", "q5_1")
     assert r.returncode == 1
     assert_one_line_error(r.stderr, "-ctk/--cache-type-k", "q5_1")

@@ -126,7 +126,7 @@ def _attention_case(window, d=128, cap=128, filled=100):
 
 
 def _run_attention(q, k, v, kpos, qpos, window, batch):
-    from runner.backends.kernels import attention, attention_scratch
+    from runner.backends.kernels import KV_F16, attention, attention_scratch
     out = np.zeros(q.shape, np.float32)
     n_kv, d, cap = k.shape
     scratch = np.zeros((8, attention_scratch(cap, d, q.shape[1] // n_kv)), np.float32)
@@ -136,7 +136,7 @@ def _run_attention(q, k, v, kpos, qpos, window, batch):
     vp = np.ascontiguousarray(v.reshape(n_kv, cap // 64, 64, d).transpose(1, 0, 2, 3))
     n = len(qpos)
     attention(q, qpos, np.zeros(n, np.int64), np.full(n, batch), kp, vp, kpos, np.arange(cap // 64)[None],
-              np.array([int((kpos >= 0).sum())]), window, np.float32(d ** -0.5), out, scratch, 2)
+              np.array([int((kpos >= 0).sum())]), window, np.float32(d ** -0.5), out, scratch, 2, KV_F16)
     return out
 
 

@@ -2,6 +2,7 @@
 over the ring cache, gated activations. Callers pass every output and scratch buffer."""
 from __future__ import annotations
 
+import functools
 import math
 from decimal import Decimal
 
@@ -207,7 +208,7 @@ def _row(table, s):
 
 
 @njit(parallel=True, cache=True)
-def attention(q, qpos, qseq, qbatch, k, v, kpos, tables, seq_slots, window, scale, out, scratch, threads):
+def attention(q, qpos, qseq, qbatch, k, v, kpos, tables, seq_slots, window, scale, out, scratch, threads, kt):
     """out[t, h] = softmax(scale * q[t, h] . k[g]) @ v[g] over the slots of token t's sequence
     that hold a position p <= qpos[t] (and qpos[t] - p < window for sliding layers), g = h's
     kv head. q, out: (n_tok, n_head, d); k: (pages, n_kv, d, >= 64), each page a dim's 64
@@ -228,6 +229,11 @@ def attention(q, qpos, qseq, qbatch, k, v, kpos, tables, seq_slots, window, scal
     cannot see add nothing (a zero weight leaves a lane as it was). Pages of 64 slots line up
     with the 64 lanes and the 16-slot score groups. head_dim a multiple of 64 (16 in a batch):
     llama.cpp's kernels on other sizes are not followed exactly (their tails add in float64).
+
+    A quantized K (kt KV_Q8_0 / KV_Q4_0: llama.cpp's -ctk with -fa off; k then holds a slot's
+    row of blocks, as flash_attention_q reads it): each score is ggml_vec_dot_q8_0_q8_0 /
+    _q4_0_q8_0 of the row with q quantized to q8_0 (what ggml's mul_mat converts q to, and
+    tinyBLAS's q8_0 kernel sums in the same lanes and order); q is not rounded to f16.
 
     A work item is one query, one kv head and its group's query heads (a share of them when
     there are fewer such items than threads): each row of k and v, read once, serves all of
@@ -263,11 +269,22 @@ def attention(q, qpos, qseq, qbatch, k, v, kpos, tables, seq_slots, window, scal
         mx = np.full(group, -np.inf, np.float32)
         if d < lanes:               # lanes no dim reaches stay zero
             P[:] = 0
+        nb = d // 32
+        qq = np.zeros(group * d, np.int8)
+        qd = np.empty(group * nb, np.float32)
+        if kt != KV_F16:
+            qraw = np.empty(nb * 34, np.uint8)
+            for e in range(e0, e1):
+                _q8_codes(q[t, g * group + e], qraw, qq, e * d, qd, e * nb)
         for b0 in range(0, n, 16):          # scores of 16 slots at once, lane j % lanes
             r0 = _row(tab, b0)              # 16 slots in a row of one page
             k0 = tab[b0 >> 6] * kpage + g * d * stride + (b0 & 63)
             for e in range(e0, e1):
-                if not _scores(d, batch, kf, k0, stride, qf, (t * n_head + g * group + e) * d, P, e * Ps):
+                if kt != KV_F16:
+                    for c in range(16):
+                        ko = (((r0 + c) >> 6) * n_kv + g) * 64 + ((r0 + c) & 63)
+                        P[e * Ps + c] = _dot_q(kf, ko * stride, kt, qq, e * d, qd, e * nb, nb)
+                elif not _scores(d, batch, kf, k0, stride, qf, (t * n_head + g * group + e) * d, P, e * Ps):
                     for j in range(d):      # other head sizes: the same sums, through memory
                         ko = k0 + j * stride
                         if j < lanes:       # a lane's first product: fma onto zero
@@ -339,8 +356,10 @@ def _gelu_f32(x, out):
         out[i] = f32(0.5) * v * (f32(1) + math.tanh(inner))
 
 
+@functools.cache
 def _gelu_table() -> np.ndarray:
-    """GELU (tanh form) of every f16 value, rounded to f16: ggml's GGML_GELU_FP16 table."""
+    """GELU (tanh form) of every f16 value, rounded to f16: ggml's GGML_GELU_FP16 table. Built
+    on first use (gemma's): loading _gelu_f32 costs the other models' start ~0.15 s."""
     x = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
     g = np.zeros_like(x)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -348,13 +367,10 @@ def _gelu_table() -> np.ndarray:
         return g.astype(np.float16).astype(np.float32)
 
 
-GELU_F16 = _gelu_table()
-
-
 def gelu_tanh_mul(gate, up, out):
     """out = gelu(gate) * up as llama.cpp computes it: the gate rounded to f16 and looked up
     in the f16 GELU table, except below -10 (0) and above 10 (identity)."""
-    v = GELU_F16[gate.astype(np.float16).view(np.uint16)]
+    v = _gelu_table()[gate.astype(np.float16).view(np.uint16)]
     v = np.where(gate <= -10, np.float32(0), np.where(gate >= 10, gate, v))
     np.multiply(v, up, out=out)
 
@@ -656,6 +672,18 @@ def _put_q(x, out, t):
 
 
 @njit(inline="always")
+def _q8_codes(x, raw, qq, qo, qd, qdo):
+    """x in q8_0 as quantize_row_q8_0 makes it (raw: its block bytes): the int8 codes into
+    qq[qo:], the block scales into qd[qdo:]."""
+    q8_0_row(x, raw)
+    for b in range(x.shape[0] // 32):
+        qd[qdo + b] = _get_f16(raw, b * 34)
+        for j in range(32):
+            c = np.int32(raw[b * 34 + 2 + j])
+            qq[qo + b * 32 + j] = np.int8(c - (c >> 7 << 8))
+
+
+@njit(inline="always")
 def _dot_q(kf, ko, kt, qq, qo, qd, qdo, nb):
     """ggml_vec_dot_q8_0_q8_0 / _q4_0_q8_0 of the cached row at kf[ko:] with q in q8_0 (codes
     qq[qo:], block scales qd[qdo:])."""
@@ -715,11 +743,7 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
                 for j in range(d):
                     qbs[e * d + j] = h2f(f2h(q[t, h, j]))
             else:
-                q8_0_row(q[t, h], qraw)
-                for b in range(nb):
-                    qd[e * nb + b] = _get_f16(qraw, b * 34)
-                    for j in range(32):
-                        qq[e * d + b * 32 + j] = np.int8(np.int32(qraw[b * 34 + 2 + j]) - (np.int32(qraw[b * 34 + 2 + j]) >> 7 << 8))
+                _q8_codes(q[t, h], qraw, qq, e * d, qd, e * nb)
             for j in range(d):
                 accs[e * d + j] = 0
             Ms[e], Ss[e] = f32(-np.inf), f32(0)

@@ -95,14 +95,14 @@ class NumbaCPU:
         # flash: llama.cpp's flash-attention kernel (its default on the CPU), else its
         # mul_mat + soft_max path; both to the bit (see K.flash_attention, K.attention)
         self.flash = flash
-        # K and V element types (llama.cpp's -ctk/-ctv): f16, or q8_0/q4_0 blocks, which
-        # llama.cpp reads in its flash-attention kernel only (numbat too)
+        # K and V element types (llama.cpp's -ctk/-ctv): f16, or q8_0/q4_0 blocks; a quantized
+        # V only with flash attention (llama.cpp's mul_mat path reads V transposed, in f16)
         for t in cache_types:
             if t not in CACHE_TYPES:
                 raise GGUFError(f"cache type {t!r}: use one of {', '.join(CACHE_TYPES)}")
         if cache_types != ("f16", "f16"):
-            if not flash:
-                raise GGUFError("a quantized KV cache needs flash attention (-fa on), as llama.cpp's V cache does")
+            if not flash and cache_types[1] != "f16":
+                raise GGUFError("a quantized V cache needs flash attention (-fa on), as llama.cpp's does")
             if cfg.head_dim % 32:
                 raise GGUFError(f"a quantized KV cache needs a head size that is a multiple of 32, not {cfg.head_dim}")
         self.cache_types = tuple(cache_types)
@@ -262,8 +262,11 @@ class NumbaCPU:
         a3 = attn.reshape(n, c.n_head, hd)
         # the cache holds f16 values, as llama.cpp's default f16 cache does (see K.attention)
         plain = self.cache_types == ("f16", "f16")
+        # q rounded to f16 where llama.cpp's mul_mat converts it for an f16 K; a quantized K
+        # takes it as float32 (and quantizes it to q8_0 for the dot)
+        f16_k = self.cache_types[0] == "f16"
         K.rope_store(q3, k3, v3, b.positions, L.theta_scale, self.freq_scale, self.freq_factors, c.rope_neox,
-                     lk.slots, lk.k, lk.v, q_scale, not self.flash, plain)
+                     lk.slots, lk.k, lk.v, q_scale, not self.flash and f16_k, plain)
         if not plain:
             if self.rot_k:
                 K.fwht(q3, self.rot_k)
@@ -271,8 +274,12 @@ class NumbaCPU:
             if self.rot_v:
                 K.fwht(v, self.rot_v)
             K.store_kv(k3, v3, lk.slots, lk.k, lk.v, *self._kv_codes)
-            K.flash_attention_q(q3, b.positions, b.seq, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
-                                kq_scale, a3, self.scratch, *self._kv_codes)
+            if self.flash:
+                K.flash_attention_q(q3, b.positions, b.seq, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
+                                    kq_scale, a3, self.scratch, *self._kv_codes)
+            else:
+                K.attention(q3, b.positions, b.seq, st.qbatch, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
+                            kq_scale, a3, self.scratch, numba.get_num_threads(), self._kv_codes[0])
             if self.rot_v:
                 K.fwht(attn, self.rot_v)
         elif self.flash:
@@ -280,7 +287,7 @@ class NumbaCPU:
                               L.window, kq_scale, a3, self.scratch, numba.get_num_threads())
         else:
             K.attention(q3, b.positions, b.seq, st.qbatch, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
-                        kq_scale, a3, self.scratch, numba.get_num_threads())
+                        kq_scale, a3, self.scratch, numba.get_num_threads(), K.KV_F16)
         return attn
 
     def linear(self, st: _State, W: Linear, x: np.ndarray) -> np.ndarray:
