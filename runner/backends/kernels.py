@@ -49,7 +49,7 @@ _EXPF_HI, _EXPF_LO = f32(float.fromhex("0x1.62e42ep6")), f32(float.fromhex("-0x1
 @njit(inline="always")
 def libm_expf(x):
     """expf(x) as glibc computes it, bit for bit (all 2**32 inputs checked against the C
-    library's in tests/test_kernel_paths.py): the expf llama.cpp's scalar online softmax
+    library's in tests/test_runner.py): the expf llama.cpp's scalar online softmax
     calls, inlined, so a kernel keeps its vector registers across it instead of a call
     that clobbers them all."""
     top = (f32_bits(x) >> 20) & 0x7ff
@@ -270,9 +270,10 @@ def attention(q, qpos, qseq, qbatch, k, v, kpos, tables, seq_slots, window, scal
         if d < lanes:               # lanes no dim reaches stay zero
             P[:] = 0
         nb = d // 32
-        qq = np.zeros(group * d, np.int8)
-        qd = np.empty(group * nb, np.float32)
-        if kt != KV_F16:
+        quant_k = kt != KV_F16
+        qq = np.zeros(group * d if quant_k else 0, np.int8)      # q as q8_0, for a quantized K
+        qd = np.empty(group * nb if quant_k else 0, np.float32)
+        if quant_k:
             qraw = np.empty(nb * 34, np.uint8)
             for e in range(e0, e1):
                 _q8_codes(q[t, g * group + e], qraw, qq, e * d, qd, e * nb)
@@ -280,7 +281,7 @@ def attention(q, qpos, qseq, qbatch, k, v, kpos, tables, seq_slots, window, scal
             r0 = _row(tab, b0)              # 16 slots in a row of one page
             k0 = tab[b0 >> 6] * kpage + g * d * stride + (b0 & 63)
             for e in range(e0, e1):
-                if kt != KV_F16:
+                if quant_k:
                     for c in range(16):
                         ko = (((r0 + c) >> 6) * n_kv + g) * 64 + ((r0 + c) & 63)
                         P[e * Ps + c] = _dot_q(kf, ko * stride, kt, qq, e * d, qd, e * nb, nb)
