@@ -274,20 +274,17 @@ class NumbaCPU:
             if self.rot_v:
                 K.fwht(v, self.rot_v)
             K.store_kv(k3, v3, lk.slots, lk.k, lk.v, *self._kv_codes)
-            if self.flash:
-                K.flash_attention_q(q3, b.positions, b.seq, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
-                                    kq_scale, a3, self.scratch, *self._kv_codes)
-            else:
-                K.attention(q3, b.positions, b.seq, st.qbatch, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
-                            kq_scale, a3, self.scratch, numba.get_num_threads(), self._kv_codes[0])
-            if self.rot_v:
-                K.fwht(attn, self.rot_v)
-        elif self.flash:
+        if not self.flash:      # f16 or quantized K (V is f16 here)
+            K.attention(q3, b.positions, b.seq, st.qbatch, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
+                        kq_scale, a3, self.scratch, numba.get_num_threads(), self._kv_codes[0])
+        elif plain:
             K.flash_attention(q3, b.positions, b.seq, st.qmode, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots,
                               L.window, kq_scale, a3, self.scratch, numba.get_num_threads())
         else:
-            K.attention(q3, b.positions, b.seq, st.qbatch, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
-                        kq_scale, a3, self.scratch, numba.get_num_threads(), K.KV_F16)
+            K.flash_attention_q(q3, b.positions, b.seq, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
+                                kq_scale, a3, self.scratch, *self._kv_codes)
+        if self.rot_v:          # only around a quantized V
+            K.fwht(attn, self.rot_v)
         return attn
 
     def linear(self, st: _State, W: Linear, x: np.ndarray) -> np.ndarray:
