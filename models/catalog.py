@@ -219,7 +219,9 @@ def _download(requirement: str, into: Path) -> Path:
 
 
 def remove(name: str) -> bool:
+    from models import derived
     p = model_path(name)
+    derived.forget(p)
     _stamp(p).unlink(missing_ok=True)
     if p.exists():
         p.unlink()

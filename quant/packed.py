@@ -36,7 +36,9 @@ NUMBAT_REPACK=0 keeps the file's layout.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
@@ -158,40 +160,56 @@ def _repack(raw, kind, out):
             _group_legacy(raw, kind, out, g)
 
 
+# what the layout of a kept buffer (pack_file's keep) depends on: this file's code
+_SOURCE_DIGEST = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
 def packed_bytes(type_id: int, shape) -> int:
     bs, gb, _, _ = LAYOUT[KINDS[type_id]]
     return shape[0] // 16 * (shape[1] // bs) * gb
 
 
-def pack(type_id: int, raw: np.ndarray, out: np.ndarray | None = None) -> Packed:
-    """raw (rows, row_bytes) repacked into out (uint8, at least packed_bytes) or a new array."""
+def pack(type_id: int, raw: np.ndarray, out: np.ndarray | None = None, fill: bool = True) -> Packed:
+    """raw (rows, row_bytes) repacked into out (uint8, at least packed_bytes) or a new array;
+    fill=False: out holds raw repacked already (a kept buffer)."""
     kind = KINDS[type_id]
     rows, (bs, gb, _, nv) = raw.shape[0], LAYOUT[kind]
     nb = raw.shape[1] // bs
     n = packed_bytes(type_id, raw.shape)
     out = (np.empty(n, np.uint8) if out is None else out[:n]).reshape(rows // 16, nb * gb)
-    _repack(raw, kind, out)
+    if fill:
+        _repack(raw, kind, out)
     return Packed(type_id, out, rows, nb * nv)
 
 
-def pack_file(f, names, groups=()) -> dict:
+def pack_file(f, names, groups=(), keep=None) -> dict:
     """The tensors of names that repack (supports()), into one buffer (large enough for the
     kernel's transparent huge pages: writing it costs a fault per 2 MB, not per 4 KB), their
     mapped pages released after. 0.5b: about 0.2 s for 395 MB. (Reading the file with read()
     instead of the mapping took 0.44 s here for the same bytes.)
     groups: tuples of names that take the same input (q, k, v; gate, up). Where all members
     repack to one type and width they are laid out one after the other, and the tuple maps to
-    one Packed of all their rows: one kernel call, the input quantized once."""
+    one Packed of all their rows: one kernel call, the input quantized once.
+    keep: a store of derived bytes (models.derived: load/save) that maps the buffer a former
+    load wrote instead of packing again, keyed by this file, what is packed and this code."""
     grouped = [n for g in groups for n in g]
     todo = [(n, f.tensors[n].type_id, f.raw(n)) for n in grouped + [n for n in names if n not in grouped]]
     todo = [(n, t, raw, packed_bytes(t, raw.shape)) for n, t, raw in todo if supports(t, raw.shape[0])]
-    arena = np.empty(sum(size for *_, size in todo), np.uint8)
+    total = sum(size for *_, size in todo)
+    key = repr([_SOURCE_DIGEST, LAYOUT, [(n, t, raw.shape) for n, t, raw, _ in todo]])
+    arena = keep.load(f.path, "repacked", key, total) if keep else None
     out, span, at = {}, {}, 0
+    fill = arena is None
+    if fill:
+        arena = np.empty(total, np.uint8)
     for n, t, raw, size in todo:
-        out[n] = pack(t, raw, arena[at:at + size])
+        out[n] = pack(t, raw, arena[at:at + size], fill)
+        if fill:
+            f.release(n)
         span[n] = (at, at + size)
-        f.release(n)
         at += size
+    if fill and keep:
+        keep.save(f.path, "repacked", key, arena)
     for g in groups:
         ps = [out.get(n) for n in g]
         if all(ps) and len({(p.type_id, p.cols) for p in ps}) == 1:     # then adjacent, in order

@@ -11,6 +11,7 @@ import numba
 import numpy as np
 
 import quant
+from models import derived
 from gguf_io.config import ModelConfig
 from gguf_io.reader import GGUFError, GGUFFile
 from runner.backends import CHECK_ROWS, Batch, graph
@@ -146,7 +147,7 @@ class NumbaCPU:
         packs = quant.packed.pack_file(f, [n for n, t in f.tensors.items() if len(t.dims) == 2 and
                                            (n != "token_embd.weight" or cfg.tied_output)],
                                        [g(i) for i in range(cfg.n_layer) for g in (qkv, gate_up)
-                                        if all(n in f.tensors for n in g(i))])
+                                        if all(n in f.tensors for n in g(i))], derived)
 
         # llama 3 files carry per-pair rope frequency divisors
         freq_factors = vec("rope_freqs.weight")

@@ -1,0 +1,136 @@
+"""Bytes numbat derives from a model file and keeps in NUMBAT_HOME, so that the next load maps
+them instead of computing them again: the weights repacked for the VNNI kernels (quant.packed).
+Repacking a 0.5b file takes ~1 s of every start and faults in a fresh 395 MB buffer; mapping
+the kept copy takes milliseconds, and the weights stay memory-mapped, as the file's are.
+
+An entry is named by what it was made from: the model file's path, size, mtime and inode, and
+a key from its maker (the layout and the code that wrote it). A changed or removed model file,
+or new packing code, makes a new name; entries whose file is gone or changed are deleted when
+a new entry is written (with the older entries of the same kind and path), and `numbat rm`
+deletes a model's entries. An entry is written to a
+temporary name and renamed, so a killed process never leaves half of one; one whose size or
+header does not match is ignored (and replaced). Only files of MIN_BYTES or more are kept:
+small files repack in no time, and tests' throwaway files would pile up.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"NUMBATD1"
+HEADER = 4096           # the data starts on a page: the kernels read it with aligned vectors
+MIN_BYTES = 32 << 20
+STALE_TMP = 3600        # seconds after which a temporary file is a killed writer's
+
+
+def _dir() -> Path:
+    from models.catalog import home
+    return home() / "derived"
+
+
+def _tag(real: str) -> str:
+    """A name part shared by every entry made from the file at this path."""
+    return hashlib.sha256(real.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+
+
+def _identity(real) -> list | None:
+    """What must still hold of the file at real for an entry made from it to be used."""
+    try:
+        st = os.stat(real)
+    except (OSError, TypeError, ValueError):
+        return None
+    return [real, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+
+
+def _entry(src: Path, kind: str, key: str) -> tuple[Path, list, str]:
+    real = os.path.realpath(src)
+    ident = _identity(real)
+    if ident is None:
+        raise OSError(f"{src}: cannot stat")
+    full = hashlib.sha256(f"{kind}\n{json.dumps(ident)}\n{key}".encode()).hexdigest()
+    return _dir() / f"{kind}-{_tag(real)}-{full[:24]}.bin", ident, full
+
+
+def _header(path: Path) -> dict | None:
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(HEADER)
+        if len(head) < HEADER or not head.startswith(MAGIC):
+            return None
+        return json.loads(head[len(MAGIC):].rstrip(b"\0"))
+    except (OSError, ValueError):
+        return None
+
+
+def load(src: Path, kind: str, key: str, nbytes: int) -> np.ndarray | None:
+    """The kept bytes for (src, kind, key), mapped copy-on-write (a writable view, as the
+    kernels' compiled signatures take; nothing writes to it), or None."""
+    if nbytes < MIN_BYTES:
+        return None
+    try:
+        path, _, full = _entry(src, kind, key)
+        if path.stat().st_size != HEADER + nbytes or (_header(path) or {}).get("key") != full:
+            return None
+        return np.memmap(path, np.uint8, "c", offset=HEADER, shape=(nbytes,))
+    except (OSError, ValueError):
+        return None
+
+
+def save(src: Path, kind: str, key: str, data: np.ndarray) -> None:
+    """Keep data for the next load. Best effort: an unwritable or full NUMBAT_HOME only means
+    the work is done again next time."""
+    if data.nbytes < MIN_BYTES:
+        return
+    tmp = None
+    try:
+        path, ident, full = _entry(src, kind, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _collect(path.parent)
+        for old in path.parent.glob(path.name[:path.name.rindex("-") + 1] + "*.bin"):
+            old.unlink(missing_ok=True)     # one entry per kind and model: older code's
+        head = MAGIC + json.dumps({"key": full, "source": ident}).encode()
+        if len(head) > HEADER:      # a very long path: not worth a larger header
+            return
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(head.ljust(HEADER, b"\0"))
+            fh.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+        os.replace(tmp, path)
+        tmp = None
+    except OSError:
+        pass
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def _collect(d: Path) -> None:
+    """Delete entries whose model file is gone or changed, and killed writers' files."""
+    now = time.time()
+    for p in d.iterdir():
+        try:
+            if p.suffix == ".tmp":
+                if now - p.stat().st_mtime > STALE_TMP:
+                    p.unlink()
+                continue
+            head = _header(p)
+            src = (head or {}).get("source")
+            if not isinstance(src, list) or not src or _identity(src[0]) != src:
+                p.unlink()
+        except OSError:
+            pass
+
+
+def forget(src: Path) -> None:
+    """Delete every entry made from the file at src (before the file itself is removed)."""
+    d = _dir()
+    if not d.is_dir():
+        return
+    for p in d.glob(f"*-{_tag(os.path.realpath(src))}-*"):
+        p.unlink(missing_ok=True)

@@ -1,0 +1,124 @@
+"""models/derived.py: bytes derived from a model file (the repacked weights), kept in
+NUMBAT_HOME and mapped by the next load instead of computed again."""
+import os
+
+import numpy as np
+import pytest
+
+from gguf import GGMLQuantizationType as T
+from gguf_io import open_gguf
+from gguf_io.config import config_from_gguf
+from gguf_io.testing import write_tiny_model
+from models import catalog, derived
+from quant import packed
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMBAT_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(derived, "MIN_BYTES", 0)     # the tiny files here are kept too
+    return tmp_path / "home"
+
+
+def entries(home):
+    d = home / "derived"
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+def test_round_trip_and_invalidation(home, tmp_path):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"model")
+    data = np.arange(10000, dtype=np.uint32).view(np.uint8)
+    assert derived.load(src, "repacked", "k", data.nbytes) is None
+    derived.save(src, "repacked", "k", data)
+    got = derived.load(src, "repacked", "k", data.nbytes)
+    assert got is not None and np.array_equal(got, data) and got.flags.writeable
+    assert derived.load(src, "repacked", "other key", data.nbytes) is None
+    assert derived.load(src, "repacked", "k", data.nbytes + 1) is None      # not the size asked for
+
+    os.utime(src, ns=(1, 1))            # the model file changed: its old entry is not used ...
+    assert derived.load(src, "repacked", "k", data.nbytes) is None
+    derived.save(src, "repacked", "k", data[:100])
+    assert len(entries(home)) == 1      # ... and goes when the new one is written
+    assert np.array_equal(derived.load(src, "repacked", "k", 100), data[:100])
+
+    derived.forget(src)
+    assert entries(home) == []
+
+
+def test_entries_of_removed_files_and_killed_writers_are_collected(home, tmp_path):
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"a")
+    b.write_bytes(b"b")
+    derived.save(a, "repacked", "k", np.zeros(64, np.uint8))
+    (home / "derived" / "x.bin.tmp").write_bytes(b"half")
+    os.utime(home / "derived" / "x.bin.tmp", (0, 0))                # an hour old and more
+    (home / "derived" / "junk.bin").write_bytes(b"no header")
+    a.unlink()
+    derived.save(b, "repacked", "k", np.ones(64, np.uint8))
+    assert len(entries(home)) == 1 and derived.load(b, "repacked", "k", 64) is not None
+
+
+def test_damaged_entry_is_ignored_and_replaced(home, tmp_path):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"model")
+    derived.save(src, "repacked", "k", np.ones(64, np.uint8))
+    (entry,) = (home / "derived").iterdir()
+    entry.write_bytes(entry.read_bytes()[:-1])          # truncated
+    assert derived.load(src, "repacked", "k", 64) is None
+    entry.write_bytes(b"\0" * (derived.HEADER + 64))    # no header
+    assert derived.load(src, "repacked", "k", 64) is None
+    derived.save(src, "repacked", "k", np.ones(64, np.uint8))
+    assert np.array_equal(derived.load(src, "repacked", "k", 64), np.ones(64, np.uint8))
+
+
+def test_unwritable_home_only_means_no_entry(tmp_path, monkeypatch):
+    monkeypatch.setattr(derived, "MIN_BYTES", 0)
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    monkeypatch.setenv("NUMBAT_HOME", str(blocker / "home"))    # under a file: mkdir fails
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"model")
+    derived.save(src, "repacked", "k", np.ones(64, np.uint8))
+    assert derived.load(src, "repacked", "k", 64) is None
+
+
+def test_small_files_are_not_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMBAT_HOME", str(tmp_path / "home"))
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"model")
+    derived.save(src, "repacked", "k", np.ones(derived.MIN_BYTES - 1, np.uint8))
+    assert entries(tmp_path / "home") == []
+
+
+@pytest.mark.skipif(not packed.enabled(), reason="repacking needs AVX512-VNNI (and NUMBAT_REPACK unset)")
+def test_pack_file_maps_what_a_former_load_kept(home, tmp_path, monkeypatch):
+    path = write_tiny_model(tmp_path / "q.gguf", "qwen2", n_embd=256, n_ff=512, n_head=4, n_head_kv=2,
+                            weight_type=T.Q8_0)
+    f = open_gguf(path)
+    cfg = config_from_gguf(f)
+    names = [n for n, t in f.tensors.items() if len(t.dims) == 2]
+    groups = [tuple(f"blk.{i}.attn_{x}.weight" for x in "qkv") for i in range(cfg.n_layer)]
+    fresh = packed.pack_file(f, names, groups)
+    first = packed.pack_file(open_gguf(path), names, groups, derived)      # packs, and keeps
+    calls = []
+    monkeypatch.setattr(packed, "_repack", lambda *a: calls.append(a))
+    kept = packed.pack_file(open_gguf(path), names, groups, derived)       # maps, packs nothing
+    assert calls == [] and len(entries(home)) == 1
+    assert fresh.keys() == first.keys() == kept.keys() and groups[0] in kept
+    for k, p in fresh.items():
+        for q in (first[k], kept[k]):
+            assert (q.type_id, q.rows, q.cols) == (p.type_id, p.rows, p.cols)
+            assert np.array_equal(q.data, p.data)
+    assert isinstance(kept[names[0]].data.base, np.memmap) or isinstance(kept[names[0]].data, np.memmap)
+
+
+def test_rm_forgets_the_models_entries(home, monkeypatch):
+    name = next(iter(catalog.CATALOG))
+    p = catalog.model_path(name)
+    p.parent.mkdir(parents=True)
+    p.write_bytes(b"gguf")
+    derived.save(p, "repacked", "k", np.ones(64, np.uint8))
+    assert entries(home)
+    assert catalog.remove(name)
+    assert entries(home) == []
