@@ -229,7 +229,8 @@ PREFETCH = {1: 2048, 4: 8192}
 def _rows16(kind, n_tok, batch=False):
     """Y[t0 + t, 16g:16g+16] = group g of pk (2-D) . X[t0 + t] for t < n_tok, over nb blocks:
     X as xq (T, n) int8, xd (T, blocks) float32 scales, isum (T, .) sums of xq per 32 values
-    (int32; Q4_K int16; Q6_K 32 times the sums per 16). Each token's lanes go through the
+    (int32; Q4_K: two int16 sums in each int32; Q6_K 32 times the sums per 16). One int32 type
+    for every kind: _matmul compiles once (each signature costs ~8 s on the first run). Each token's lanes go through the
     same operations for any n_tok (verification gets decode's bits); the weights are loaded
     and unpacked once for all n_tok."""
     _, gb, off, _ = LAYOUT[kind]
@@ -410,12 +411,12 @@ def _rows16(kind, n_tok, batch=False):
                                 dhi[t] = builder.call(dpbusd, [dhi[t], hi, xword(t, builder.add(x0, c(64 * p + 32 + 4 * ch)))])
                         sl, sh = bytes16(builder.add(o, c(2048 + 32 * p))), bytes16(builder.add(o, c(2064 + 32 * p)))
                         # m_2p, m_2p+1 of the 16 rows as int16 pairs against the x-sums of those
-                        # sub-blocks (isum is int16 here): vpdpwssd
+                        # sub-blocks (isum holds int16 pairs here): vpdpwssd
                         two = load(builder.add(o, c(2176 + 32 * p)), ir.VectorType(I8, 32))
                         mp = builder.zext(builder.shuffle_vector(two, two, ir.Constant(ir.VectorType(I32, 32), [i // 2 + 16 * (i % 2) for i in range(32)])), V32H)
                         for t in range(n_tok):
                             ip = builder.add(builder.mul(dlo[t], sl), builder.mul(dhi[t], sh))
-                            pair = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(8)), c(2 * p)), I32)
+                            pair = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(4)), c(p)), I32)
                             mk = builder.call(dpwssd, [zero if batch else mins[t], mp, builder.bitcast(_splat(builder, pair, V16I), V32H)])
                             if batch:
                                 a, am = acc[t][0], acc[t][1]
@@ -510,8 +511,8 @@ def _matmul(pk, kind, nb, xq, xd, isum, y, nbatch):
 @njit(cache=True)
 def _quantize_k(X, q4, m, xq, xd, bs16, bs32, sums):
     """The rows of X as Q8_K into the buffers' first rows, rows up to m zero (padding tokens);
-    sums: Q4_K's (q4) sums per 32 as int16 (at most 32 * 128), or Q6_K's offset 32 times the
-    sums per 16. One call per matrix, so quantizing costs no Python per row."""
+    sums: Q4_K's (q4) sums per 32 as int16 (at most 32 * 128; an int16 view of the kernel's
+    int32 pairs), or Q6_K's offset 32 times the sums per 16. One call per matrix, so quantizing costs no Python per row."""
     for i in range(X.shape[0]):
         quantize_x(X[i], xq[i], xd[i], bs16[i], bs32[i])
         for j in range(sums.shape[1]):
@@ -547,18 +548,20 @@ def _quantized(p: Packed, X: np.ndarray, m: int):
     c, k = p.cols, p.kind in (Q4_K, Q6_K)
     if b is None or b[0].shape[0] < m:
         z = lambda n, t: np.zeros((max(ROWS, m), n), t)
-        if k:       # xq, xd, sums per 16 and per 32, the kernel's sums
+        if k:       # xq, xd, sums per 16 and per 32, the kernel's sums (Q4_K: int16 pairs)
+            sums = z(c // 64, np.int32) if p.kind == Q4_K else z(c // 16, np.int32)
             b = (z(c, np.int8), z(c // 256, np.float32), z(c // 16, np.int32), z(c // 32, np.int32),
-                 z(c // 32, np.int16) if p.kind == Q4_K else z(c // 16, np.int32), {})
+                 sums, sums.view(np.int16) if p.kind == Q4_K else sums, {})
         else:       # xq, xd, Q8_1's s and the sums per 32 (unused), the sums per 4
+            sums = z(c // 4, np.int32)
             b = (z(c, np.int8), z(c // 32, np.float32), np.zeros(c // 32, np.float32), np.zeros(c // 32, np.int32),
-                 z(c // 4, np.int32), {})
+                 sums, sums, {})
         _bufs[key] = b
-    xq, xd, s1, s2, sums, views = b
+    xq, xd, s1, s2, sums, qsums, views = b      # qsums: sums as the quantizer writes them
     if k:
-        _quantize_k(X, p.kind == Q4_K, m, xq, xd, s1, s2, sums)
+        _quantize_k(X, p.kind == Q4_K, m, xq, xd, s1, s2, qsums)
     else:
-        _quantize_0(X, m, xq, xd, s1, s2, sums, p.kind != Q4_0)
+        _quantize_0(X, m, xq, xd, s1, s2, qsums, p.kind != Q4_0)
     v = views.get(m)
     if v is None:
         v = views[m] = (xq[:m], xd[:m], sums[:m], c // (256 if k else 32))
