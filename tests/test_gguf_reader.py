@@ -423,3 +423,22 @@ def test_real_model_opens_mapped(name):
     # ~0.1 s on an idle machine, 0.2-0.3 s with this 2-core machine loaded 3x; gguf.GGUFReader
     # (a Python object per vocabulary element) takes seconds: the bound tells them apart
     assert probe["median"] < 1.0, f"median open time {probe['median']:.3f} s"
+
+
+def test_string_arrays_decode_each_string_alone(tmp_path):
+    """Strings with NULs, broken UTF-8 at either end, empty ones and one longer than a
+    word: each reads as its own bytes decoded alone (errors replaced), none spills over."""
+    raw = [b"plain", b"", b"\xe2\x82", b"\x82tail", b"caf\xc3\xa9", b"x" * 3000, b"\xf0\x9f\xa6\x98", b"", b"end\xff"]
+
+    def write_strings(path, items):
+        body = b"".join(struct.pack("<Q", len(x)) + x for x in items)
+        key = b"t.strs"
+        kv = struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 8, len(items)) + body
+        path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + kv)
+        return open_gguf(path).metadata["t.strs"]
+
+    want = [x.decode("utf-8", errors="replace") for x in raw]
+    assert write_strings(tmp_path / "a.gguf", raw) == want
+    with_nul = raw + [b"a\0", b"\0\0\0\0\0\0\0\0\0b"]
+    assert write_strings(tmp_path / "b.gguf", with_nul) == [x.decode("utf-8", errors="replace") for x in with_nul]
+    assert write_strings(tmp_path / "c.gguf", []) == []
