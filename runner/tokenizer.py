@@ -130,13 +130,14 @@ class Tokenizer:
         tokens = list(meta["tokenizer.ggml.tokens"])
         n = len(tokens)
         types = np.asarray(meta.get("tokenizer.ggml.token_type", np.full(n, NORMAL)), dtype=np.int32)
+        index = {t: i for i, t in enumerate(tokens)}
         if model == "gpt2":
             pre_name = meta.get("tokenizer.ggml.pre", "default")
             pre = PRE_TOKENIZERS.get(pre_name)
             if pre is None:
                 raise ValueError(f"unsupported tokenizer.ggml.pre {pre_name!r} for a BPE vocabulary: "
                                  f"numbat supports {', '.join(PRE_TOKENIZERS)}")
-            hf = _build_bpe(tokens, meta["tokenizer.ggml.merges"], pre)
+            hf = _build_bpe(index, meta["tokenizer.ggml.merges"], pre)
             kind, defaults = "bpe", dict(bos=11, eos=11, add_bos=pre is _LLAMA3, prefix=False)
         else:
             scores = np.asarray(meta.get("tokenizer.ggml.scores", np.zeros(n)), dtype=np.float32)
@@ -148,7 +149,6 @@ class Tokenizer:
             return value if value is not None and 0 <= value < n else default
 
         bos_id, eos_id = special_id("bos_token_id", defaults["bos"]), special_id("eos_token_id", defaults["eos"])
-        index = {t: i for i, t in enumerate(tokens)}
         forced = [index[t] for t in _EOG_TEXTS | _FIM_TEXTS if t in index]
         fim_eog = [next((index[t] for t in names if t in index), None) for names in _FIM_EOG_TEXTS]
         forced += [i for i in fim_eog if i is not None]
@@ -284,12 +284,12 @@ class _Pieces:
         return bytes(byte_of[c] for c in text) if all(c in byte_of for c in text) else text.encode()
 
 
-def _build_bpe(tokens: Sequence[str], merges: Sequence[str], pre: _Pre) -> HFTokenizer:
+def _build_bpe(index: dict[str, int], merges: Sequence[str], pre: _Pre) -> HFTokenizer:
     pairs = []
     for m in merges:
         k = m.find(" ", 1)   # the first space after the first character separates the pair
         pairs.append((m[:k], m[k + 1:]))
-    hf = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, pairs, ignore_merges=pre.ignore_merges))
+    hf = HFTokenizer(models.BPE(index, pairs, ignore_merges=pre.ignore_merges))
     hf.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
