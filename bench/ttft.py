@@ -1,9 +1,12 @@
-"""Time to first token of `numbat prompt "Hi" -n 1` as a user sees it: from starting the
-command to the first byte of the reply on stdout (Python start, imports, model open, chat
-template, prefill, one token). Cold = an empty kernel cache (everything compiles); warm =
-median of -r runs after that, with the kernels cached.
+"""Start-up as a user sees it: `numbat prompt "Hi" -n 1` (chat template) and `numbat prompt
+--raw "Hi" -n 1` as whole processes, from starting the command to the first byte of the reply
+and to the process's end (Python start, imports, model open, prefill, one token, exit).
+Cold = an empty kernel cache (everything compiles; the model's repacked weights already kept
+or not, as NUMBAT_HOME has them); warm = medians of -r runs after that. With --llama-bin,
+llama.cpp's `llama-completion -m FILE -p Hi -n 1 -no-cnv` runs alternately with the raw
+numbat command (same file, same threads) and the ratio of their medians is printed.
 
-    python bench/ttft.py [MODEL] [-r 5]
+    python bench/ttft.py [MODEL] [-r 5] [--llama-bin DIR] [--no-cold]
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 
 def first_byte(cmd: list[str], env: dict) -> tuple[float, float]:
@@ -28,23 +32,53 @@ def first_byte(cmd: list[str], env: dict) -> tuple[float, float]:
     return ttft, time.perf_counter() - t
 
 
+def summary(name: str, runs: list[tuple[float, float]]) -> str:
+    med = lambda i: statistics.median(r[i] for r in runs)
+    return (f"{name}: first byte median {med(0):.2f} s, whole process {med(1):.2f} s "
+            f"(runs {', '.join(f'{r[1]:.2f}' for r in runs)})")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("model", nargs="?", default=None)
+    ap.add_argument("model", nargs="?", default="qwen2.5-coder:0.5b")
     ap.add_argument("-r", "--reps", type=int, default=5)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--llama-bin", type=Path, help="a llama.cpp build's bin/ (llama-completion)")
+    ap.add_argument("--no-cold", action="store_true", help="skip the run with an empty kernel cache")
     a = ap.parse_args()
-    numbat = shutil.which("numbat") or sys.exit("numbat is not installed: pip install -e .")
-    cmd = [numbat, "prompt"] + ([a.model] if a.model else []) + ["Hi", "-n", "1"]
-    kernels = tempfile.mkdtemp(prefix="numbat-kernels-")
-    env = dict(os.environ, NUMBA_CACHE_DIR=kernels)
-    try:
-        cold = first_byte(cmd, env)
-        warm = [first_byte(cmd, env) for _ in range(a.reps)]
-    finally:
-        shutil.rmtree(kernels, ignore_errors=True)
-    med = statistics.median(w[0] for w in warm)
-    print(f"{' '.join(cmd[1:])}: cold {cold[0]:.2f} s to first token ({cold[1]:.2f} s total); "
-          f"warm median of {a.reps} {med:.2f} s (runs {', '.join(f'{w[0]:.2f}' for w in warm)})")
+    # the installed script itself, not a version manager's shim in front of it
+    numbat = str(Path(sys.executable).parent / "numbat")
+    if not os.path.exists(numbat):
+        numbat = shutil.which("numbat") or sys.exit("numbat is not installed: pip install -e .")
+    chat = [numbat, "prompt", a.model, "Hi", "-n", "1", "-t", str(a.threads)]
+    raw = chat + ["--raw"]
+    env = dict(os.environ)
+    if not a.no_cold:
+        kernels = tempfile.mkdtemp(prefix="numbat-kernels-")
+        try:
+            cold = first_byte(chat, dict(env, NUMBA_CACHE_DIR=kernels))
+            print(f"cold (empty kernel cache): first byte {cold[0]:.2f} s, whole process {cold[1]:.2f} s")
+        finally:
+            shutil.rmtree(kernels, ignore_errors=True)
+    first_byte(chat, env)       # warm the kernel cache this environment uses
+    llama = None
+    if a.llama_bin:
+        from models.catalog import fetch
+        exe = a.llama_bin / "llama-completion"
+        llama = [str(exe), "-m", str(fetch(a.model) if ":" in a.model else a.model), "-p", "Hi", "-n", "1",
+                 "-no-cnv", "-t", str(a.threads)]
+    runs = {"chat": [], "raw": [], "llama": []}
+    for _ in range(a.reps):
+        runs["chat"].append(first_byte(chat, env))
+        runs["raw"].append(first_byte(raw, env))
+        if llama:
+            runs["llama"].append(first_byte(llama, env))
+    print(summary(" ".join(chat[1:]), runs["chat"]))
+    print(summary(" ".join(raw[1:]), runs["raw"]))
+    if llama:
+        print(summary(" ".join(["llama-completion"] + llama[1:]), runs["llama"]))
+        ratio = statistics.median(r[1] for r in runs["raw"]) / statistics.median(r[1] for r in runs["llama"])
+        print(f"numbat --raw / llama-completion, whole process: {ratio:.2f}")
 
 
 if __name__ == "__main__":
