@@ -139,9 +139,13 @@ def _load(model: str | None, threads: int | None = None, fa: str = "auto", types
     first = backend == "numba" and (not cache_dir.is_dir() or not any(cache_dir.rglob("*.nbi")))
     try:
         if first:
-            with err.status("compiling kernels (first run only, about a minute)"):
-                m = load(name, update, threads, flash, types, backend)
-                _warm(m)
+            with err.status("compiling kernels (first run only, about half a minute)"):
+                warm = backends.first_run(flash, types)
+                try:
+                    m = load(name, update, threads, flash, types, backend)
+                    warm.warm(m.backend, m.tokenizer.bos_id or 0)
+                finally:
+                    warm.close()
         else:
             m = load(name, update, threads, flash, types, backend)
     finally:
@@ -152,13 +156,6 @@ def _load(model: str | None, threads: int | None = None, fa: str = "auto", types
         state["kv_warned"] = True
         err.print(warning, soft_wrap=True)
     return m
-
-
-def _warm(m):
-    """Compile the decode and prefill paths once, on a throwaway cache."""
-    cache = m.make_cache(64)
-    m.backend.forward([m.tokenizer.bos_id or 0] * 2, cache)
-    m.backend.forward([m.tokenizer.bos_id or 0], cache)
 
 
 def _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed):

@@ -605,3 +605,13 @@ def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True) -> 
 
 def matvec(p: Packed, x: np.ndarray, y: np.ndarray) -> None:
     matmul_rows(p, x[None], y[None])
+
+
+def precompile() -> None:
+    """Compile (or load) _matmul and the activation quantizers, every signature a model's
+    forward calls them with, on one all-zero group of each quantizer's kinds: the first run
+    does this while a second process compiles the attention kernels (runner.backends)."""
+    for t in (T.Q8_0, T.Q4_K, T.Q6_K):     # _quantize_0, _quantize_k with int16 and int32 sums
+        _, gb, _, nv = LAYOUT[KINDS[t]]
+        p = Packed(t, np.zeros((1, gb), np.uint8), 16, nv)
+        matmul_rows(p, np.zeros((1, nv), np.float32), np.zeros((1, 16), np.float32))

@@ -90,6 +90,14 @@ def default() -> str:
     return "numba"
 
 
+def first_run(flash: bool = True, cache_types: tuple[str, str] = ("f16", "f16")):
+    """The numba backend's first run on a machine (no compiled kernels cached): call before
+    the model loads; its warm(backend, token) after, close() in any case (see
+    numba_cpu.FirstRun: it compiles in two processes)."""
+    from runner.backends.numba_cpu import FirstRun
+    return FirstRun(flash, cache_types)
+
+
 def make(name: str, f, cfg, flash: bool = True, cache_types: tuple[str, str] = ("f16", "f16"),
          progress=None) -> Backend:
     """The backend called name ("auto": default()) for a validated file f and its config."""

@@ -350,3 +350,69 @@ class NumbaCPU:
             L.up(h, u, hr, batch)
             (K.gelu_tanh_mul if gelu else K.silu_mul)(g, u, g)
             L.down(g, o, batch=batch)
+
+
+class FirstRun:
+    """The first run on a machine compiles every kernel (numba caches them after): about a
+    minute on one core. Two processes share it: a helper started now compiles the attention
+    kernels (the largest: flash attention alone takes ~15 s) through a tiny float model,
+    while this process loads the model and compiles the matmul kernels and the small ones;
+    warm() then waits for the helper and runs the model's own forward, which loads those from
+    the cache and compiles what is left (its embedding's type, gemma's activation). A helper
+    that fails costs nothing but time: whatever it did not cache is compiled here."""
+
+    def __init__(self, flash: bool, cache_types: tuple[str, str]):
+        import subprocess
+        import sys
+        self.helper = subprocess.Popen([sys.executable, "-m", "runner.backends.numba_cpu", str(int(flash)), *cache_types],
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def warm(self, be: NumbaCPU, token: int) -> None:
+        precompile()
+        self.helper.wait()
+        cache = be.make_cache(64)
+        be.forward([token] * 2, cache)      # a batch's paths, then decode's
+        be.forward([token], cache)
+
+    def close(self) -> None:
+        """Stop the helper if the load failed before warm()."""
+        if self.helper.poll() is None:
+            self.helper.kill()
+            self.helper.wait()
+
+
+def precompile() -> None:
+    """FirstRun's share of this process: the repacked matmuls and their activation
+    quantizers, the norms and SiLU products, on empty or all-zero arrays of the types the
+    forward passes (tests/test_first_run.py checks they are its signatures)."""
+    if quant.packed.enabled():
+        quant.packed.precompile()
+    z = np.zeros((1, 16), np.float32)
+    K.rms_norm(z, z[0], 1e-6, z)
+    K.silu_mul(z, z, z)
+    K.silu_mul_halves(z, z[:, :8])
+
+
+def compile_attention(flash: bool, cache_types: tuple[str, str]) -> None:
+    """FirstRun's helper: RoPE, the K/V store and the attention kernel of the parent's path
+    and cache types, on two tokens then one of a tiny float model (head size 64, so that
+    the rotations around a quantized cache compile too)."""
+    import tempfile
+    from pathlib import Path
+
+    from gguf_io.config import config_from_gguf
+    from gguf_io.reader import open_gguf
+    from gguf_io.testing import write_tiny_model
+    with tempfile.TemporaryDirectory(prefix="numbat-warm-") as d:
+        f = open_gguf(write_tiny_model(Path(d) / "tiny.gguf", "qwen2", n_embd=128, n_head=2, n_head_kv=1, head_dim=64))
+        be = NumbaCPU(f, config_from_gguf(f), flash=flash, cache_types=cache_types)
+        cache = be.make_cache(64)
+        for n in (2, 1):
+            positions, kv = cache.claim(n)
+            st = be.begin(Batch(np.arange(1, n + 1), positions, np.zeros(n, np.int64), [(0, n, n > 1)], None))
+            be.attend(st, be.layers[0], kv[0], be.q[:n], be.k[:n], be.v[:n])
+
+
+if __name__ == "__main__":      # FirstRun's helper process: python -m runner.backends.numba_cpu FLASH KT VT
+    import sys
+    compile_attention(sys.argv[1] == "1", (sys.argv[2], sys.argv[3]))

@@ -1,0 +1,77 @@
+"""The first run's two compile processes (runner.backends.numba_cpu.FirstRun): what each
+compiles ahead must be the signatures the forward then calls, or the forward compiles them
+again and the first run is as slow as with one process."""
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+import quant
+from gguf_io import open_gguf
+from gguf_io.config import config_from_gguf
+from gguf_io.testing import _patch, header_fields, write_tiny_model
+from runner.backends import kernels as K
+from runner.backends import numba_cpu
+
+REPO = Path(__file__).resolve().parents[1]
+AHEAD = [quant.packed._matmul, quant.packed._quantize_0, quant.packed._quantize_k, K.rms_norm, K.silu_mul,
+         K.silu_mul_halves, K.rope_store, K.flash_attention, K.attention, K.flash_attention_q, K.store_kv, K.fwht]
+
+
+def signatures():
+    return {d: set(d.signatures) for d in AHEAD}
+
+
+def tiny(path, weights):
+    """A tiny qwen2 of Q8_0 matrices, relabelled as weights (gguf-py cannot quantize to K
+    types; their blocks are smaller, so they stay inside the file; random bits suffice to see
+    which kernels run)."""
+    p = write_tiny_model(path, "qwen2", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, weight_type=T.Q8_0)
+    if weights != T.Q8_0:
+        _, dims, types = header_fields(p)
+        for name, field in types.items():
+            if dims[name].end - dims[name].start == 16:        # the matrices (two dims)
+                _patch(p, field.start, struct.pack("<I", weights))
+    return p
+
+
+@pytest.mark.parametrize("weights", [T.Q8_0, T.Q4_K, T.Q6_K])
+@pytest.mark.parametrize("flash,types", [(True, ("f16", "f16")), (False, ("f16", "f16")), (True, ("q8_0", "q4_0"))])
+def test_ahead_of_time_signatures_are_the_forwards(tmp_path, weights, flash, types):
+    numba_cpu.precompile()
+    numba_cpu.compile_attention(flash, types)
+    ahead = signatures()
+    attention = {(True, True): K.flash_attention, (True, False): K.flash_attention_q, (False, True): K.attention}
+    assert ahead[attention[flash, types == ("f16", "f16")]], "the helper compiled no attention kernel"
+    if quant.packed.enabled():
+        assert ahead[quant.packed._matmul] and ahead[quant.packed._quantize_0] and len(ahead[quant.packed._quantize_k]) == 2
+    f = open_gguf(tiny(tmp_path / "m.gguf", weights))
+    be = numba_cpu.NumbaCPU(f, config_from_gguf(f), flash=flash, cache_types=types)
+    cache = be.make_cache(64)
+    be.forward(np.arange(1, 9), cache)       # a batch
+    be.forward([9], cache)                   # decode
+    after = signatures()
+    grown = {d.py_func.__name__: after[d] - ahead[d] for d in AHEAD if after[d] - ahead[d]}
+    assert not grown, f"the forward compiled signatures the first run did not: {grown}"
+
+
+def test_helper_process_runs():
+    """The command FirstRun starts (its output is hidden from the user): exits cleanly."""
+    r = subprocess.run([sys.executable, "-m", "runner.backends.numba_cpu", "1", "q8_0", "q8_0"], cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+
+
+def test_close_stops_a_running_helper(monkeypatch):
+    import subprocess as sp
+    real = sp.Popen
+    monkeypatch.setattr(sp, "Popen", lambda cmd, **kw: real([sys.executable, "-c", "import time; time.sleep(60)"], **kw))
+    run = numba_cpu.FirstRun(True, ("f16", "f16"))
+    assert run.helper.poll() is None
+    run.close()
+    assert run.helper.poll() is not None
