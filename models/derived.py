@@ -101,6 +101,7 @@ def save(src: Path, kind: str, key: str, data: np.ndarray) -> None:
         with os.fdopen(fd, "wb") as fh:
             fh.write(head.ljust(HEADER, b"\0"))
             fh.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
         tmp = None
     except OSError:
