@@ -229,10 +229,10 @@ PREFETCH = {1: 2048, 4: 8192}
 def _rows16(kind, n_tok, batch=False):
     """Y[t0 + t, 16g:16g+16] = group g of pk (2-D) . X[t0 + t] for t < n_tok, over nb blocks:
     X as xq (T, n) int8, xd (T, blocks) float32 scales, isum (T, .) sums of xq per 32 values
-    (int32; Q4_K: two int16 sums in each int32; Q6_K 32 times the sums per 16). One int32 type
-    for every kind: _matmul compiles once (each signature costs ~8 s on the first run). Each token's lanes go through the
-    same operations for any n_tok (verification gets decode's bits); the weights are loaded
-    and unpacked once for all n_tok."""
+    (int32; Q4_K: two int16 sums in each int32; Q6_K 32 times the sums per 16: one type for
+    every kind, so _matmul compiles once, ~8 s on the first run). Each token's lanes go
+    through the same operations for any n_tok (verification gets decode's bits); the weights
+    are loaded and unpacked once for all n_tok."""
     _, gb, off, _ = LAYOUT[kind]
     pf = None if batch else PREFETCH[n_tok]     # a batch re-reads a group from cache: no prefetch
 
@@ -512,7 +512,8 @@ def _matmul(pk, kind, nb, xq, xd, isum, y, nbatch):
 def _quantize_k(X, q4, m, xq, xd, bs16, bs32, sums):
     """The rows of X as Q8_K into the buffers' first rows, rows up to m zero (padding tokens);
     sums: Q4_K's (q4) sums per 32 as int16 (at most 32 * 128; an int16 view of the kernel's
-    int32 pairs), or Q6_K's offset 32 times the sums per 16. One call per matrix, so quantizing costs no Python per row."""
+    int32 pairs), or Q6_K's offset 32 times the sums per 16. One call per matrix, so
+    quantizing costs no Python per row."""
     for i in range(X.shape[0]):
         quantize_x(X[i], xq[i], xd[i], bs16[i], bs32[i])
         for j in range(sums.shape[1]):

@@ -364,8 +364,11 @@ class FirstRun:
     def __init__(self, flash: bool, cache_types: tuple[str, str]):
         import subprocess
         import sys
+        from pathlib import Path
+        root = str(Path(__file__).resolve().parents[2])     # importable from any directory
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self.helper = subprocess.Popen([sys.executable, "-m", "runner.backends.numba_cpu", str(int(flash)), *cache_types],
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                       env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def warm(self, be: NumbaCPU, token: int) -> None:
         precompile()
