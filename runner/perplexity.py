@@ -21,11 +21,16 @@ class PerplexityResult:
     top1: np.ndarray        # argmax of the logits at each scored position
 
 
-def log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    lg = logits.astype(np.float64)
-    m = lg.max(axis=1, keepdims=True)
-    lse = m[:, 0] + np.log(np.exp(lg - m).sum(axis=1))
-    return lg[np.arange(len(targets)), targets] - lse
+def log_softmax_at(logits: np.ndarray, targets: np.ndarray, rows: int = 64) -> np.ndarray:
+    """log p(target) of each row, in float64, a block of rows at a time: the float64 copies
+    stay ~80 MB whatever the rows (each row's sums are its own, so blocks change no bit)."""
+    out = np.empty(len(targets))
+    for s in range(0, len(targets), rows):
+        lg = logits[s:s + rows].astype(np.float64)
+        m = lg.max(axis=1, keepdims=True)
+        lse = m[:, 0] + np.log(np.exp(lg - m).sum(axis=1))
+        out[s:s + rows] = lg[np.arange(len(lg)), targets[s:s + rows]] - lse
+    return out
 
 
 def perplexity(model, ids: list[int], n_ctx: int = 512,
@@ -35,17 +40,23 @@ def perplexity(model, ids: list[int], n_ctx: int = 512,
         raise ValueError(f"the text is {len(ids)} tokens; perplexity needs at least {n_ctx} (one chunk of --ctx)")
     first = n_ctx // 2
     cache = model.backend.make_cache(n_ctx)
+    step = model.backend.chunk
     nlls, tops = [], []
     for c in range(n_chunks):
         chunk = list(ids[c * n_ctx:(c + 1) * n_ctx])
         if model.tokenizer.add_bos:
             chunk[0] = model.tokenizer.bos_id
         cache.reset()
-        logits = model.backend.forward(chunk, cache, logits="all")
-        targets = np.asarray(ids[c * n_ctx + first + 1:(c + 1) * n_ctx], np.int64)
-        scored = logits[first:n_ctx - 1]
-        nlls.append(-log_softmax_at(scored, targets))
-        tops.append(scored.argmax(axis=1))
+        # the backend's prompt batches one at a time (what forward does with the whole
+        # chunk), each scored as it comes: one batch's logits in memory, not n_ctx rows
+        for s in range(0, n_ctx, step):
+            logits = model.backend.forward(chunk[s:s + step], cache, logits="all")
+            lo, hi = max(s, first), min(s + len(logits), n_ctx - 1)     # scored: first .. n_ctx - 2
+            if lo < hi:
+                scored = logits[lo - s:hi - s]
+                targets = np.asarray(ids[c * n_ctx + lo + 1:c * n_ctx + hi + 1], np.int64)
+                nlls.append(-log_softmax_at(scored, targets))
+                tops.append(scored.argmax(axis=1))
         if progress:
             progress(c + 1, n_chunks, math.exp(np.concatenate(nlls).mean()))
     nll = np.concatenate(nlls)
