@@ -135,17 +135,22 @@ def _load(model: str | None, threads: int | None = None, fa: str = "auto", types
     if name in catalog.CATALOG and not catalog.is_cached(name):
         err.print(f"pulling {name} (first use)")
     update, bar = _download_progress()
-    cache_dir = Path(os.environ["NUMBA_CACHE_DIR"])
-    first = backend == "numba" and (not cache_dir.is_dir() or not any(cache_dir.rglob("*.nbi")))
+    mark = _warm_mark(name, flash, types)
+    first = backend == "numba" and not mark.exists()
     try:
         if first:
-            with err.status("compiling kernels (first run only, about half a minute)"):
+            with err.status("compiling kernels for this model and settings (first use, up to half a minute)"):
                 warm = backends.first_run(flash, types)
                 try:
                     m = load(name, update, threads, flash, types, backend)
                     warm.warm(m.backend, m.tokenizer.bos_id or 0)
                 finally:
                     warm.close()
+            try:
+                mark.parent.mkdir(parents=True, exist_ok=True)
+                mark.touch()
+            except OSError:     # an unwritable cache: the next load warms again
+                pass
         else:
             m = load(name, update, threads, flash, types, backend)
     finally:
@@ -156,6 +161,14 @@ def _load(model: str | None, threads: int | None = None, fa: str = "auto", types
         state["kv_warned"] = True
         err.print(warning, soft_wrap=True)
     return m
+
+
+def _warm_mark(name: str, flash: bool, types: tuple[str, str]) -> Path:
+    """Kernels compile on the first use of a model and settings (its types and activation, the
+    attention path, the cache types): that load compiles them in two processes behind a
+    spinner, then leaves this mark beside the compiled kernels."""
+    key = hashlib.sha256(repr((name, flash, types)).encode()).hexdigest()[:16]
+    return Path(os.environ["NUMBA_CACHE_DIR"]) / "warm" / key
 
 
 def _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed):

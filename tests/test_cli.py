@@ -570,3 +570,23 @@ def test_prompt_download_failure(monkeypatch, capsys, tmp_path):
     assert code == 1
     err = "\n".join(ln for ln in err.splitlines() if not ln.startswith(f"pulling {FAKE}"))
     assert_one_line_error(err, "could not download fake-part2==1.0")
+
+
+def test_first_use_of_a_model_and_settings_compiles_once(files, tmp_path, monkeypatch):
+    """The first load of a model with given settings warms its kernels in two processes
+    (runner.backends.first_run) and leaves a mark; the next load of the same does not, another
+    attention path does."""
+    import shutil
+    from runner import backends
+    calls = []
+    real = backends.first_run
+    monkeypatch.setattr(backends, "first_run", lambda *a: calls.append(a) or real(*a))
+    model = str(shutil.copy(files["tiny_q8"], tmp_path / "fresh.gguf"))     # a name never loaded before
+    for fa, n in (("on", 1), ("on", 1), ("off", 2)):
+        cli._load(model, fa=fa, backend="numba")
+        assert len(calls) == n
+    assert calls == [(True, ("f16", "f16")), (False, ("f16", "f16"))]
+    for flash in (True, False):
+        mark = cli._warm_mark(model, flash, ("f16", "f16"))
+        assert mark.exists()
+        mark.unlink()
