@@ -87,7 +87,6 @@ def save(src: Path, kind: str, key: str, data: np.ndarray) -> None:
     the work is done again next time."""
     if data.nbytes < MIN_BYTES:
         return
-    tmp = None
     try:
         path, ident, full = _entry(src, kind, key)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,20 +94,26 @@ def save(src: Path, kind: str, key: str, data: np.ndarray) -> None:
         for old in path.parent.glob(path.name[:path.name.rindex("-") + 1] + "*.bin"):
             old.unlink(missing_ok=True)     # one entry per kind and model: older code's
         head = MAGIC + json.dumps({"key": full, "source": ident}).encode()
-        if len(head) > HEADER:      # a very long path: not worth a larger header
-            return
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(head.ljust(HEADER, b"\0"))
-            fh.write(memoryview(np.ascontiguousarray(data)).cast("B"))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-        tmp = None
+        if len(head) <= HEADER:             # else a very long path: not worth a larger header
+            write_atomic(path, head.ljust(HEADER, b"\0"), memoryview(np.ascontiguousarray(data)).cast("B"))
     except OSError:
         pass
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+
+
+def write_atomic(path: Path, *parts) -> None:
+    """parts (bytes-like) written to a temporary file beside path, then renamed onto it: a
+    reader never sees half a file, and a killed writer leaves only a *.tmp (collected)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            for part in parts:
+                fh.write(part)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _collect(d: Path) -> None:

@@ -23,10 +23,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -312,6 +309,7 @@ def _build_spm(tokens: Sequence[str], scores: np.ndarray) -> HFTokenizer:
 def _cached_spm(tokens: Sequence[str], scores: np.ndarray) -> HFTokenizer:
     """Building takes seconds for a 262k vocab, so the result is kept under NUMBAT_HOME."""
     from models.catalog import home
+    from models.derived import write_atomic
 
     digest = hashlib.sha256(_CACHE_FORMAT.encode())
     digest.update(json.dumps(list(tokens), ensure_ascii=False).encode())
@@ -324,20 +322,7 @@ def _cached_spm(tokens: Sequence[str], scores: np.ndarray) -> HFTokenizer:
             pass
     hf = _build_spm(tokens, scores)
     try:
-        _write_atomic(path, hf.to_str())
+        write_atomic(path, hf.to_str().encode())
     except OSError:     # an unwritable NUMBAT_HOME: the tokenizer still works, built again next time
         pass
     return hf
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
