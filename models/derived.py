@@ -7,9 +7,9 @@ An entry is named by what it was made from: the model file's path, size, mtime a
 a key from its maker (the layout and the code that wrote it). A changed or removed model file,
 or new packing code, makes a new name; entries whose file is gone or changed are deleted when
 a new entry is written (with the older entries of the same kind and path), and `numbat rm`
-deletes a model's entries. An entry is written to a
-temporary name and renamed, so a killed process never leaves half of one; one whose size or
-header does not match is ignored (and replaced). Only files of MIN_BYTES or more are kept:
+deletes a model's entries. An entry is written to a temporary name and renamed, so a killed
+process never leaves half of one; one whose size or header does not match is ignored (and
+replaced). Only files of MIN_BYTES or more are kept:
 small files repack in no time, and tests' throwaway files would pile up.
 """
 from __future__ import annotations
@@ -41,9 +41,11 @@ def _tag(real: str) -> str:
 
 def _identity(real) -> list | None:
     """What must still hold of the file at real for an entry made from it to be used."""
+    if not isinstance(real, str):
+        return None
     try:
         st = os.stat(real)
-    except (OSError, TypeError, ValueError):
+    except (OSError, ValueError):
         return None
     return [real, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
 
@@ -63,7 +65,8 @@ def _header(path: Path) -> dict | None:
             head = fh.read(HEADER)
         if len(head) < HEADER or not head.startswith(MAGIC):
             return None
-        return json.loads(head[len(MAGIC):].rstrip(b"\0"))
+        d = json.loads(head[len(MAGIC):].rstrip(b"\0"))
+        return d if isinstance(d, dict) else None
     except (OSError, ValueError):
         return None
 

@@ -54,6 +54,8 @@ def test_entries_of_removed_files_and_killed_writers_are_collected(home, tmp_pat
     (home / "derived" / "x.bin.tmp").write_bytes(b"half")
     os.utime(home / "derived" / "x.bin.tmp", (0, 0))                # an hour old and more
     (home / "derived" / "junk.bin").write_bytes(b"no header")
+    for i, body in enumerate((b"[1, 2]", b'{"source": [12345678901234567890]}', b'{"source": "x"}')):
+        (home / "derived" / f"odd{i}.bin").write_bytes((derived.MAGIC + body).ljust(derived.HEADER, b"\0"))
     a.unlink()
     derived.save(b, "repacked", "k", np.ones(64, np.uint8))
     assert len(entries(home)) == 1 and derived.load(b, "repacked", "k", 64) is not None
