@@ -9,8 +9,8 @@ or new packing code, makes a new name; entries whose file is gone or changed are
 a new entry is written (with the older entries of the same kind and path), and `numbat rm`
 deletes a model's entries. An entry is written to a temporary name and renamed, so a killed
 process never leaves half of one; one whose size or header does not match is ignored (and
-replaced). Only files of MIN_BYTES or more are kept:
-small files repack in no time, and tests' throwaway files would pile up.
+replaced). Only files of MIN_BYTES or more are kept: small files repack in no time, and
+tests' throwaway files would pile up.
 """
 from __future__ import annotations
 
