@@ -36,7 +36,7 @@ def _kernel_cache_dir() -> Path:
     digest = hashlib.sha256()
     for p in sorted([*(root / "quant").glob("*.py"), *(root / "runner" / "backends").glob("*.py")]):
         src = p.read_bytes()
-        if b"import numba" in src or b"from numba" in src:     # what numba compiles from (not graph.py, MLX)
+        if b"numba" in src or b"llvmlite" in src:     # what numba compiles from (not graph.py, MLX)
             digest.update(src)
     base = catalog.home() / "numba-cache"
     path = base / digest.hexdigest()[:16]
@@ -637,11 +637,13 @@ def bench(model: ModelArg = None,
     m = _load(model, threads, fa, (ctk, ctv), backend)
     rng = np.random.default_rng(0)
     rows = []
+    from quant.cpu import KIND      # which row of the kernel table ran (numba; MLX: none)
+    cpu_kind = KIND.name if m.backend.name == "numba-cpu" else None
 
     def add(test, rates, depth=0, **extra):   # rates[0] warmed up and is not counted
         r = np.array(rates[1:])
         rows.append({"model": m.name, "size_bytes": m.file.file_size, "params": m.file.n_params(),
-                     "backend": m.backend.name, "threads": numba.get_num_threads(),
+                     "backend": m.backend.name, "cpu_kind": cpu_kind, "threads": numba.get_num_threads(),
                      "flash_attn": m.backend.flash, "type_k": m.backend.cache_types[0], "type_v": m.backend.cache_types[1],
                      "test": test, "n_depth": depth,
                      "tokens_per_s": round(float(r.mean()), 2), "stddev": round(float(r.std()), 2), **extra})
@@ -698,7 +700,7 @@ def bench(model: ModelArg = None,
         test = row["test"] + (f" @ d{row['n_depth']}" if row["n_depth"] else "")
         test += (f" ({spec['acceptance_rate']:.0%} accepted, {spec['tokens_per_target_forward']:.2f} "
                  f"tok/forward)" if spec else "")
-        t.add_row(row["model"], f"{row['size_bytes'] / 2**20:.2f} MiB", f"{row['params'] / 1e6:.2f} M", row["backend"],
+        t.add_row(row["model"], f"{row['size_bytes'] / 2**20:.2f} MiB", f"{row['params'] / 1e6:.2f} M", row["backend"] + (f" ({row['cpu_kind']})" if row["cpu_kind"] else ""),
                   str(row["threads"]), "on" if row["flash_attn"] else "off", row["type_k"], row["type_v"], test,
                   f"{row['tokens_per_s']:.2f} ± {row['stddev']:.2f}")
     Console().print(t)

@@ -8,7 +8,7 @@ import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
-from quant import floats, gemm8, kquants, legacy, packed
+from quant import cpu, floats, gemm8, kquants, legacy, packed
 from quant.common import QType
 
 QTYPES: dict[int, QType] = {**floats.QTYPES, **legacy.QTYPES, **kquants.QTYPES}
@@ -41,12 +41,12 @@ def matvec(type_id: int, raw, x: np.ndarray, y: np.ndarray) -> None:
         qtype(type_id).matvec(raw, x, y)
 
 
-# Prefill: on AVX512-VNNI CPUs repacked weights go through quant.packed (llama.cpp's float
-# order for the batch), the other quantized types through quant.gemm8 (int8 products, 2-4x
-# float32 BLAS here). Elsewhere, and for the float types: dequantize a tile of rows into
-# a reused buffer that stays in cache, then let BLAS multiply it with all activation vectors
-# at once, the activations first rounded as llama.cpp's integer kernels round them
-# (act_roundtrip). See BENCHMARKS.md for the rates.
+# Prefill (quant.cpu says which kernel, by CPU kind): repacked weights go through quant.packed
+# (llama.cpp's float order for the batch), the other quantized types through quant.gemm8 where
+# the CPU has it (int8 products, 2-4x float32 BLAS here). Elsewhere, and for the float types:
+# dequantize a tile of rows into a reused buffer that stays in cache, then let BLAS multiply
+# it with all activation vectors at once, the activations first rounded as llama.cpp's integer
+# kernels round them (act_roundtrip). See BENCHMARKS.md for the rates.
 _TILE_BYTES = 4 << 20
 _tiles: dict[tuple[int, int], np.ndarray] = {}
 

@@ -33,7 +33,7 @@ from numba.extending import intrinsic
 from quant.act import quantize_q8_0, quantize_q8_K
 from quant.common import F16, readonly
 from quant.kquants import _byte, _f16, _k4_scales, _q3_scales
-from quant.vnni import AVAILABLE
+from quant import cpu
 
 I8, I32, F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
 V64B, V16I, V16F = ir.VectorType(I8, 64), ir.VectorType(I32, 16), ir.VectorType(F32, 16)
@@ -259,7 +259,7 @@ _buffers: dict[tuple, tuple] = {}
 
 
 def supports(type_id: int) -> bool:
-    return AVAILABLE and type_id in KINDS
+    return type_id in cpu.KIND.gemm8 and type_id in KINDS
 
 
 def matmul(type_id: int, bsize: int, tsize: int, raw, X: np.ndarray, Y: np.ndarray,

@@ -10,7 +10,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from quant.vnni import AVAILABLE as VNNI
+from quant.cpu import KIND
 
 
 def _int_op(ty, op):
@@ -294,7 +294,7 @@ def _dotq_row(q4: bool):
             qdata = context.make_array(sig.args[2])(context, builder, aqq).data
             ddata = context.make_array(sig.args[4])(context, builder, aqd).data
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]), "llvm.fma.v8f32")
-            if VNNI:
+            if KIND.vnni:
                 ab = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V(i8, 32), [V(i8, 32), ir.IntType(1)]), "llvm.abs.v32i8")
                 sg = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V(i8, 32), [V(i8, 32)] * 2), "llvm.x86.avx2.psign.b")
                 dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V(i32, 8), [V(i32, 8), V(i8, 32), V(i8, 32)]),
@@ -315,7 +315,7 @@ def _dotq_row(q4: bool):
                 else:
                     kv = builder.load(builder.bitcast(cp, V(i8, 32).as_pointer()), align=1)
                 qv = builder.load(builder.bitcast(builder.gep(qdata, [off(aqo, 32)]), V(i8, 32).as_pointer()), align=1)
-                if VNNI:     # |k| times q with k's sign (codes are never -128): 4 products a lane
+                if KIND.vnni:     # |k| times q with k's sign (codes are never -128): 4 products a lane
                     p = builder.call(dp, [ir.Constant(V(i32, 8), [0] * 8), builder.call(ab, [kv, ir.Constant(ir.IntType(1), 0)]),
                                           builder.call(sg, [qv, kv])])
                 else:

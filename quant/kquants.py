@@ -41,7 +41,7 @@ from numba import njit, prange
 from quant.act import quantize_q8_K, roundtrip_q8_K
 from quant.common import F16, QType, readonly
 from quant.intrin import _add32, _field, _mul16, _mul32, _or16
-from quant.vnni import AVAILABLE as VNNI
+from quant.cpu import KIND, SMALL_BATCH
 from quant.vnni import q4k_dot, q6k_dot
 
 f32 = np.float32
@@ -456,12 +456,12 @@ def quantize_rows(X, xq, xd, bs16, bs32):
         quantize_x(X[i], xq[i], xd[i], bs16[i], bs32[i])
 
 
-ROWS = 16    # the most activation vectors one matvec_rows call takes (runner's SMALL_BATCH)
+ROWS = SMALL_BATCH    # the most activation vectors one matvec_rows call takes (quant.cpu)
 
 
 def _ktype(type_id, name, type_size, dq_kernel, mv_kernel, sums32, vnni=None):
     """vnni: (matvec, matrows) kernels for AVX512-VNNI CPUs, or None."""
-    if VNNI and vnni is not None:
+    if KIND.vnni and vnni is not None:
         mv_kernel, xtype = vnni[0], np.int8
     else:
         xtype = np.int16
@@ -489,7 +489,7 @@ def _ktype(type_id, name, type_size, dq_kernel, mv_kernel, sums32, vnni=None):
     dequant_rows.__qualname__ = dequant_rows.__name__ = f"dequant_rows_{name}"
     matvec.__qualname__ = matvec.__name__ = f"matvec_{name}"
     return QType(int(type_id), name, 256, type_size, dequant_rows, matvec, roundtrip_q8_K,
-                 matvec_rows if VNNI and vnni is not None else None)
+                 matvec_rows if KIND.vnni and vnni is not None else None)
 
 
 QTYPES = {q.type_id: q for q in [

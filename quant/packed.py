@@ -37,7 +37,6 @@ NUMBAT_REPACK=0 keeps the file's layout.
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +49,7 @@ from numba.extending import intrinsic
 from quant.act import quantize_q8_0
 from quant.kquants import ROWS, _byte, _k4_scales, quantize_x
 from quant.gemm8 import I8, I32, F32, V64B, V16I, V16F, _ptr, _splat
-from quant.vnni import AVAILABLE
+from quant import cpu
 
 I1 = ir.IntType(1)
 V32H = ir.VectorType(ir.IntType(16), 32)
@@ -71,11 +70,11 @@ class Packed:
 
 
 def enabled() -> bool:
-    return AVAILABLE and os.environ.get("NUMBAT_REPACK", "1") != "0"
+    return cpu.repacked(T.Q4_0, 16)
 
 
 def supports(type_id: int, rows: int) -> bool:
-    return enabled() and type_id in KINDS and rows % 16 == 0
+    return cpu.repacked(type_id, rows)
 
 
 @njit(inline="always")
@@ -219,13 +218,6 @@ def pack_file(f, names, groups=(), keep=None) -> dict:
     return out
 
 
-# Bytes ahead of the block being read that the kernels prefetch, per token count. The
-# hardware prefetcher alone fell behind (most with 4 tokens, where a block's arithmetic takes
-# longer than its load): on the 1.5b's matrices, 4 tokens 41.6 -> 33.6 ms, 1 token 27.2 ->
-# 24.6 ms (distances 2-16 KB within a few percent of these).
-PREFETCH = {1: 2048, 4: 8192}
-
-
 def _rows16(kind, n_tok, batch=False):
     """Y[t0 + t, 16g:16g+16] = group g of pk (2-D) . X[t0 + t] for t < n_tok, over nb blocks:
     X as xq (T, n) int8, xd (T, blocks) float32 scales, isum (T, .) sums of xq per 32 values
@@ -234,7 +226,7 @@ def _rows16(kind, n_tok, batch=False):
     through the same operations for any n_tok (verification gets decode's bits); the weights
     are loaded and unpacked once for all n_tok."""
     _, gb, off, _ = LAYOUT[kind]
-    pf = None if batch else PREFETCH[n_tok]     # a batch re-reads a group from cache: no prefetch
+    pf = None if batch else cpu.KIND.prefetch[n_tok]     # a batch re-reads a group from cache: no prefetch
 
     @intrinsic
     def rows16(typingctx, pk, g, nb, xq, xd, isum, y, t0):
@@ -487,7 +479,8 @@ def _dispatch(n_tok, batch=False):
     return group
 
 
-BATCH_STEP = (8, 8, 8, 4, 4)    # tokens per batch kernel call, by kind
+LSTEP = cpu.KIND.batch_step     # tokens per batch kernel call: Q4_0, Q5_0, Q8_0 (a speed choice)
+BATCH_STEP = (LSTEP, LSTEP, LSTEP, 4, 4)    # by kind (Q4_K, Q6_K: llama.cpp's fours)
 _group1, _group4, _groupb = _dispatch((1,) * 5), _dispatch((4,) * 5), _dispatch(BATCH_STEP, True)
 
 
@@ -498,7 +491,7 @@ def _matmul(pk, kind, nb, xq, xd, isum, y, nbatch):
     fastmath: LLVM would then be free to fuse or reorder the float steps differently in the
     1- and 4-token kernels, and a token checked in a group must get the bits it gets alone."""
     T4 = xq.shape[0] // 4 * 4
-    step = 8 if kind <= Q8_0 else 4
+    step = LSTEP if kind <= Q8_0 else 4
     for g in prange(pk.shape[0]):
         for t0 in range(0, nbatch, step):
             _groupb(kind, pk, g, nb, xq, xd, isum, y, t0)
@@ -580,7 +573,7 @@ def batch_tokens(kind: int, n: int) -> int:
         return n - n % 4
     if kind == Q6_K:
         return -(-n // 4) * 4 if n >= 8 else 0
-    return n - n % 8        # the same order either way: eight at a time only for speed
+    return n - n % LSTEP    # the same order either way: LSTEP at a time only for speed
 
 
 def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True) -> None:

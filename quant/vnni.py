@@ -3,19 +3,16 @@
 instruction. LLVM does not form it from numba's scalar loops (it widens to vpdpwssd), so the
 intrinsics below emit it directly, on whole 64-value runs of a block.
 
-Only for CPUs that have it (``AVAILABLE``); the kernels in kquants fall back to their
+Only for CPUs that have it (quant.cpu.KIND.vnni); the kernels in kquants fall back to their
 portable form elsewhere (and LLVM would refuse to compile these). The integer sums are exact,
 so a kernel built on them returns the same bits as the portable one.
 """
 from __future__ import annotations
 
-import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
-
-AVAILABLE = all(llvm.get_host_cpu_features().get(f, False) for f in ("avx512f", "avx512bw", "avx512vnni"))
 
 I8, I32 = ir.IntType(8), ir.IntType(32)
 V32B, V64B, V16I = ir.VectorType(I8, 32), ir.VectorType(I8, 64), ir.VectorType(I32, 16)

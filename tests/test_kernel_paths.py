@@ -2,9 +2,12 @@
 the tiny models (tests/test_tiny_models.py's fixtures and tolerances):
 - NUMBAT_REPACK=0: the file-layout kernels (matvec per row for decode, gemm8 for batches);
 - the tile + BLAS prefill (dequantize a tile, numpy matmul), which on a VNNI host only the
-  types gemm8 lacks reach: forced here for the common types by turning gemm8 off.
+  types gemm8 lacks reach: forced here for the common types by a kernel-table row without
+  gemm8 (quant.cpu), as a CPU kind without AVX-512 has.
 They sum in their own orders, not llama.cpp's, so they are held to the rounding-noise
 tolerances, as on CPUs without AVX-512."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -28,7 +31,7 @@ def fixture_data():
 def test_unpacked_paths_match_llama_cpp(tmp_path, monkeypatch, fixture_data, arch, wtype, path):
     monkeypatch.setenv("NUMBAT_REPACK", "0")
     if path == "tile+BLAS":
-        monkeypatch.setattr(quant.gemm8, "supports", lambda type_id: False)
+        monkeypatch.setattr(quant.cpu, "KIND", dataclasses.replace(quant.cpu.KIND, gemm8=frozenset()))
     fx = fixture_data[arch]
     m = build(tmp_path, fx, wtype, False)     # the fixtures with flash attention off
     layer = m.backend.layers[0]

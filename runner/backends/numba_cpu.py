@@ -38,13 +38,15 @@ class Linear:
     def __call__(self, X: np.ndarray, Y: np.ndarray, rounded: dict | None = None, batch: bool = True) -> None:
         """Y = X W^T (+ bias). Repacked weights take llama.cpp's float steps for a batch of
         len(X) tokens (batch) or, row by row, those of a single token."""
-        if isinstance(self.raw, quant.packed.Packed):
+        rows = quant.qtype(self.type_id).matvec_rows
+        kernel = quant.cpu.linear(self.type_id, isinstance(self.raw, quant.packed.Packed), X.shape[0],
+                                  batch, rows is not None)
+        if kernel == "packed":
             quant.packed.matmul_rows(self.raw, X, Y, batch)
-        elif X.shape[0] <= SMALL_BATCH or not batch:      # one token's steps for every row
-            rows = quant.qtype(self.type_id).matvec_rows
+        elif kernel in ("rows", "matvec"):      # one token's steps for every row
             for s in range(0, X.shape[0], SMALL_BATCH):
                 Xs, Ys = X[s:s + SMALL_BATCH], Y[s:s + SMALL_BATCH]
-                if len(Xs) > 1 and rows is not None:
+                if len(Xs) > 1 and kernel == "rows":
                     rows(self.raw, Xs, Ys)
                 else:
                     for i in range(Xs.shape[0]):

@@ -1,0 +1,86 @@
+"""Which kernel runs on which CPU: one table. A new kind of CPU is a row of KINDS, not a hunt
+through the kernels.
+
+The packed kernels take llama.cpp's float steps for the type and the batch size
+(tests/llama_orders.py): logits bit for bit. gemm8, tile and the file-layout matvecs sum in
+their own orders (rounding noise from llama.cpp's, tests/test_kernel_paths.py), so a kind
+without repacking gives up bit-exactness, not correctness. vnni only changes speed: the
+integer sums of vpdpbusd are exact, so the VNNI and portable forms of a kernel agree.
+
+A weight of n_out rows times n tokens (see ``linear``):
+  packed   Q4_0/Q5_0/Q8_0/Q4_K/Q6_K repacked at load into 16-row groups (quant.packed): one
+           token, four at a time (speculative checks, short batches) or ``batch_step``
+           tokens per call for a prompt
+  rows     up to 16 tokens with one token's steps each (quant.kquants' matvec_rows)
+  matvec   one token at a time (every type's portable kernel)
+  gemm8    a prompt through int8 panels unpacked on the fly (quant.gemm8)
+  tile     a prompt through float32 tiles dequantized into cache and BLAS (everything else)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import llvmlite.binding as llvm
+from gguf import GGMLQuantizationType as T
+
+LEGACY = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
+K_QUANTS = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
+REPACKABLE = frozenset({T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K})
+SMALL_BATCH = 16        # the most tokens that take one token's steps each (the backend contract)
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    needs: tuple[str, ...]              # LLVM host features (llvm.get_host_cpu_features)
+    seen: str                           # the machines it was measured on
+    vnni: bool = False                  # vpdpbusd kernels (quant.vnni, quant.intrin, kquants')
+    repack: frozenset = frozenset()     # types quant.packed repacks
+    gemm8: frozenset = frozenset()      # types whose prompts go through quant.gemm8
+    batch_step: int = 8                 # tokens per packed batch call, Q4_0/Q5_0/Q8_0 (Q4_K and
+                                        # Q6_K: 4, llama.cpp's gemm takes them four at a time)
+    prefetch: dict = field(default_factory=dict)    # packed decode: bytes ahead, by tokens a call
+
+
+AVX512_VNNI = dict(vnni=True, repack=REPACKABLE, gemm8=LEGACY | K_QUANTS, batch_step=8,
+                   # measured on the 1.5b's matrices: 4 tokens 41.6 -> 33.6 ms, 1 token
+                   # 27.2 -> 24.6 ms against the hardware prefetcher alone (2-16 KB within a
+                   # few percent of these)
+                   prefetch={1: 2048, 4: 8192})
+
+# First match wins: the most specific kind first.
+KINDS = (
+    # Intel Xeon (Sapphire Rapids and later): AMX tiles are there, no AMX kernel yet (issue 19)
+    Kind("avx512-amx", ("avx512f", "avx512bw", "avx512vnni", "amx-int8", "amx-tile"),
+         "Intel Xeon with AMX, 2 cores (2026-12-01)", **AVX512_VNNI),
+    Kind("avx512-vnni", ("avx512f", "avx512bw", "avx512vnni"), "AMD EPYC (Zen 4), 2 cores", **AVX512_VNNI),
+    # AVX2, ARM, anything else: the portable numba kernels (LLVM vectorizes them for the host)
+    Kind("portable", (), "not measured against llama.cpp"),
+)
+
+
+def pick(features: dict) -> Kind:
+    """The first kind whose features the CPU has (features: name -> bool, as LLVM reports)."""
+    return next(k for k in KINDS if all(features.get(f, False) for f in k.needs))
+
+
+KIND = pick(llvm.get_host_cpu_features())
+
+
+def repacked(type_id: int, rows: int) -> bool:
+    """Whether a weight is repacked at load (NUMBAT_REPACK=0 keeps the file's layout)."""
+    return type_id in KIND.repack and rows % 16 == 0 and os.environ.get("NUMBAT_REPACK", "1") != "0"
+
+
+def linear(type_id: int, packed: bool, n: int, batch: bool, has_rows: bool) -> str:
+    """The kernel for n tokens through a weight of type_id (packed: repacked at load), with a
+    batch's float steps (batch) or one token's for every row; has_rows: the type has a
+    matvec_rows kernel on this CPU."""
+    if packed:
+        return "packed"
+    if n <= SMALL_BATCH or not batch:
+        return "rows" if n > 1 and has_rows else "matvec"
+    if type_id in KIND.gemm8:
+        return "gemm8"
+    return "tile"
