@@ -1,7 +1,9 @@
 """Bytes numbat derives from a model file and keeps in NUMBAT_HOME, so that the next load maps
 them instead of computing them again: the weights repacked for the VNNI kernels (quant.packed).
 Repacking a 0.5b file takes ~1 s of every start and faults in a fresh 395 MB buffer; mapping
-the kept copy takes milliseconds, and the weights stay memory-mapped, as the file's are.
+the kept copy takes milliseconds, and the weights stay memory-mapped, as the file's are. And
+the tokenizer's string arrays as an earlier load decoded and validated them (runner.model):
+marshal reads them back in a fifth of the time the GGUF walk takes.
 
 An entry is named by what it was made from: the model file's path, size, mtime and inode, and
 a key from its maker (the layout and the code that wrote it). A changed or removed model file,
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import marshal
 import os
 import tempfile
 import time
@@ -85,10 +88,10 @@ def load(src: Path, kind: str, key: str, nbytes: int) -> np.ndarray | None:
         return None
 
 
-def save(src: Path, kind: str, key: str, data: np.ndarray) -> None:
+def save(src: Path, kind: str, key: str, data: np.ndarray, min_bytes: int | None = None) -> None:
     """Keep data for the next load. Best effort: an unwritable or full NUMBAT_HOME only means
     the work is done again next time."""
-    if data.nbytes < MIN_BYTES:
+    if data.nbytes < (MIN_BYTES if min_bytes is None else min_bytes):
         return
     try:
         path, ident, full = _entry(src, kind, key)
@@ -100,6 +103,30 @@ def save(src: Path, kind: str, key: str, data: np.ndarray) -> None:
         if len(head) <= HEADER:             # else a very long path: not worth a larger header
             write_atomic(path, head.ljust(HEADER, b"\0"), memoryview(np.ascontiguousarray(data)).cast("B"))
     except OSError:
+        pass
+
+
+def load_value(src: Path, kind: str, key: str):
+    """A value keep_value kept for (src, kind, key), or None."""
+    try:
+        path, _, full = _entry(src, kind, key)
+        if path.stat().st_size <= HEADER or (_header(path) or {}).get("key") != full:
+            return None
+        with open(path, "rb") as fh:
+            fh.seek(HEADER)
+            return marshal.loads(fh.read())
+    except (OSError, ValueError, EOFError, TypeError):
+        return None
+
+
+def keep_value(src: Path, kind: str, key: str, value) -> None:
+    """Keep a value of plain types (str, int, list, dict, ...: marshal's, which builds no
+    objects of other kinds) made from the model file at src, if that file is large enough to
+    be worth it. Best effort, as save."""
+    try:
+        if os.stat(src).st_size >= MIN_BYTES:
+            save(src, kind, key, np.frombuffer(marshal.dumps(value), np.uint8), min_bytes=0)
+    except (OSError, ValueError):
         pass
 
 

@@ -2,19 +2,32 @@
 chat template and a backend ready to run."""
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import quant  # first: it sets the OpenMP wait policy before numba starts its threads
+import gguf_io.reader
+import gguf_io.validate
 from gguf_io import GGUFError, GGUFFile, open_gguf
 from gguf_io.config import ModelConfig, config_from_gguf
 from gguf_io.validate import validate
-from models import catalog
+from models import catalog, derived
 from runner.chat_template import ChatTemplate
 from runner.tokenizer import Tokenizer
 
 DEFAULT_CTX = 4096
+# what kept string arrays depend on: how the reader decodes them and what validation proved
+_STRINGS_KEY = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (gguf_io.reader, gguf_io.validate))).hexdigest()
+
+
+def _kept_strings(path: Path) -> dict | None:
+    """The string arrays an earlier load of this file kept (models.derived), if well formed."""
+    v = derived.load_value(path, "strings", _STRINGS_KEY)
+    ok = isinstance(v, dict) and all(isinstance(e, list) and len(e) == 3 and isinstance(e[0], int)
+                                     and isinstance(e[1], int) and isinstance(e[2], list) for e in v.values())
+    return v if ok else None
 
 
 class ModelError(Exception):
@@ -76,11 +89,13 @@ def load(model: str, progress: catalog.Progress | None = None, threads: int | No
     backend: numba | mlx | auto (runner.backends.make)."""
     path = resolve(model, progress)
     try:
-        f = open_gguf(path)
+        f = open_gguf(path, _kept_strings(path))
         cfg = config_from_gguf(f)
         validate(f, cfg)    # the file is untrusted: its shapes are proven before any kernel runs
     except GGUFError as e:
         raise ModelError(str(e)) from None
+    if f.string_arrays:     # decoded and validated now: kept for the next load
+        derived.keep_value(path, "strings", _STRINGS_KEY, f.string_arrays)
     try:
         tok = Tokenizer.from_metadata(f.metadata)
     except ValueError as e:

@@ -124,3 +124,56 @@ def test_rm_forgets_the_models_entries(home, monkeypatch):
     assert entries(home)
     assert catalog.remove(name)
     assert entries(home) == []
+
+
+def test_reader_takes_known_string_arrays_only_where_they_were(tmp_path):
+    """GGUFFile(known=...) takes an earlier open's decoded string arrays (a start's 0.1-0.2 s),
+    but only at the offsets they were read from, inside the file."""
+    path = write_tiny_model(tmp_path / "m.gguf", n_vocab=1100)
+    f = open_gguf(path)
+    key = "tokenizer.ggml.tokens"
+    assert set(f.string_arrays) == {key} and f.kept == set()
+    start, end, tokens = f.string_arrays[key]
+    assert tokens == f.metadata[key] and 0 < start < end < f.file_size
+    g = open_gguf(path, {key: [start, end, ["x"] * 1100]})      # taken as given: not re-read
+    assert g.kept == {key} and g.metadata[key] == ["x"] * 1100 and g.tensors == f.tensors
+    for bad in ([start + 8, end, ["x"]], [start, f.file_size + 1, ["x"]], [start, start, ["x"]]):
+        h = open_gguf(path, {key: bad})
+        assert h.kept == set() and h.metadata[key] == tokens and h.tensors == f.tensors
+
+
+def test_model_load_keeps_the_string_arrays(home, tmp_path, monkeypatch):
+    """The first load keeps the decoded, validated arrays; the next takes them; a changed file
+    or a damaged entry reads the file again."""
+    import gguf_io.reader
+    from runner import model as rm
+    monkeypatch.setattr(gguf_io.reader, "KEEP_STRINGS", 16)
+    path = write_tiny_model(tmp_path / "m.gguf", "qwen2", n_vocab=300)
+    assert rm.load(str(path)).file.kept == set()
+    assert [e for e in entries(home) if e.startswith("strings-")]
+    second = rm.load(str(path))
+    assert second.file.kept == {"tokenizer.ggml.tokens"}
+    assert second.tokenizer.encode("ab") == rm.load(str(path)).tokenizer.encode("ab")
+    os.utime(path, ns=(1, 1))
+    assert rm.load(str(path)).file.kept == set()
+    entry = next((home / "derived").glob("strings-*"))
+    entry.write_bytes(entry.read_bytes()[:derived.HEADER] + b"\x00garbage")
+    assert rm.load(str(path)).file.kept == set()
+
+
+@pytest.mark.real
+def test_kept_merges_are_not_checked_again(monkeypatch):
+    """Validation checks a BPE vocabulary's merges once; arrays kept from that open skip it."""
+    import gguf_io.validate as v
+    from models.catalog import fetch
+    calls = []
+    real = v._merges
+    monkeypatch.setattr(v, "_merges", lambda *a: (calls.append(1), real(*a)))
+    path = fetch("qwen2.5-coder:0.5b")
+    f = open_gguf(path)
+    v.validate(f, config_from_gguf(f))
+    assert calls == [1] and {"tokenizer.ggml.tokens", "tokenizer.ggml.merges"} <= set(f.string_arrays)
+    g = open_gguf(path, f.string_arrays)
+    v.validate(g, config_from_gguf(g))
+    assert calls == [1] and g.kept == {"tokenizer.ggml.tokens", "tokenizer.ggml.merges"}
+    assert all(g.metadata[k] == f.metadata[k] for k in g.kept) and g.metadata.keys() == f.metadata.keys()
