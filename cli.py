@@ -637,8 +637,8 @@ def bench(model: ModelArg = None,
     m = _load(model, threads, fa, (ctk, ctv), backend)
     rng = np.random.default_rng(0)
     rows = []
-    from quant.cpu import KIND      # which row of the kernel table ran (numba; MLX: none)
-    cpu_kind = KIND.name if m.backend.name == "numba-cpu" else None
+    from quant.cpu import CPU_NAME, KIND      # which row of the kernel table ran (numba; MLX: none)
+    cpu_kind = f"{KIND.name}, {CPU_NAME}" if m.backend.name == "numba-cpu" else None
 
     def add(test, rates, depth=0, **extra):   # rates[0] warmed up and is not counted
         r = np.array(rates[1:])

@@ -54,7 +54,8 @@ KINDS = (
     # Intel Xeon (Sapphire Rapids and later): AMX tiles are there, no AMX kernel yet (issue 19)
     Kind("avx512-amx", ("avx512f", "avx512bw", "avx512vnni", "amx-int8", "amx-tile"),
          "Intel Xeon with AMX, 2 cores (2026-12-01)", **AVX512_VNNI),
-    Kind("avx512-vnni", ("avx512f", "avx512bw", "avx512vnni"), "AMD EPYC (Zen 4), 2 cores", **AVX512_VNNI),
+    Kind("avx512-vnni", ("avx512f", "avx512bw", "avx512vnni"),
+         "AMD EPYC Zen 4 (LLVM: znver4, 2026-11-30) and Zen 5 (znver5, 2026-12-02), 2 cores", **AVX512_VNNI),
     # AVX2, ARM, anything else: the portable numba kernels (LLVM vectorizes them for the host)
     Kind("portable", (), "not measured against llama.cpp"),
 )
@@ -66,6 +67,7 @@ def pick(features: dict) -> Kind:
 
 
 KIND = pick(llvm.get_host_cpu_features())
+CPU_NAME = llvm.get_host_cpu_name()     # LLVM's name for the host (znver5, sapphirerapids, ...)
 
 
 def repacked(type_id: int, rows: int) -> bool:
