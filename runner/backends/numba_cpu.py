@@ -38,9 +38,9 @@ class Linear:
     def __call__(self, X: np.ndarray, Y: np.ndarray, rounded: dict | None = None, batch: bool = True) -> None:
         """Y = X W^T (+ bias). Repacked weights take llama.cpp's float steps for a batch of
         len(X) tokens (batch) or, row by row, those of a single token."""
-        rows = quant.qtype(self.type_id).matvec_rows
-        kernel = quant.cpu.linear(self.type_id, isinstance(self.raw, quant.packed.Packed), X.shape[0],
-                                  batch, rows is not None)
+        packed = isinstance(self.raw, quant.packed.Packed)
+        rows = None if packed else quant.qtype(self.type_id).matvec_rows
+        kernel = quant.cpu.linear(self.type_id, packed, X.shape[0], batch, rows is not None)
         if kernel == "packed":
             quant.packed.matmul_rows(self.raw, X, Y, batch)
         elif kernel in ("rows", "matvec"):      # one token's steps for every row
