@@ -1,11 +1,12 @@
 """Where a decode step's time goes: matvec kernels, attention, norms/RoPE/activations,
 sampling, and the Python around them.
 
-    python bench/decode_profile.py [MODEL] [-n 64] [-t 2] [--check K]
+    python bench/decode_profile.py [MODEL] [-n 64] [-t 2] [--check K | --prompt P]
 
 cProfile over n greedy decode steps, its per-function own time summed by category. With
 --check K, each step is instead one forward of K tokens with all their logits, rolled back
-after: what a speculative check of K - 1 guesses costs. Compiled kernels count as whole
+after: what a speculative check of K - 1 guesses costs. With --prompt P, a P-token prompt into an
+empty cache, the last logits only (what pp512 times). Compiled kernels count as whole
 calls; "python" is everything else (the forward's bookkeeping, the wrappers, cProfile's own
 per-call cost of about a microsecond per call, included).
 """
@@ -23,7 +24,7 @@ import runner.env  # noqa: E402, F401  (thread-pool defaults, before numpy loads
 CATEGORIES = (      # first match wins: (category, substrings of "file:function")
     ("matvec", ("quant/legacy.py:_mv", "quant/kquants.py:matvec_", "quant/packed.py:_matmul", "quant/floats.py:", "quant/act.py:quantize",
                 "quant/kquants.py:quantize_x", "quant/kquants.py:quantize_rows", "quant/legacy.py:_quantize")),
-    ("attention", ("kernels.py:attention",)),
+    ("attention", ("kernels.py:flash_attention", "kernels.py:attention")),
     ("norms/rope/act", ("kernels.py:rms_norm", "kernels.py:rope", "kernels.py:silu", "kernels.py:gelu",
                         "dequant_rows")),
     ("sampling", ("sampler.py:",)),
@@ -45,6 +46,8 @@ def main():
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--check", type=int, default=0, help="profile forwards of this many tokens instead")
+    ap.add_argument("--prompt", type=int, default=0,
+                    help="profile prompts of this many tokens instead (the last logits only, as pp512)")
     a = ap.parse_args()
     import numba
 
@@ -52,7 +55,7 @@ def main():
     from runner.sampler import Sampler, SamplerConfig
     numba.set_num_threads(a.threads)
     m = load(a.model)
-    cache = m.backend.make_cache(512)
+    cache = m.backend.make_cache(max(512, a.prompt + 64))
     sampler = Sampler(SamplerConfig(temp=0))
     ids = m.tokenizer.encode("def quicksort(xs):")
 
@@ -67,23 +70,31 @@ def main():
         m.backend.forward((ids * a.check)[:a.check], cache, logits="all")
         cache.rollback(a.check)
 
+    def prompt():
+        cache.reset()
+        m.backend.forward((ids * a.prompt)[:a.prompt], cache)
+
     decode(4)                       # compile / warm
     prof = cProfile.Profile()
     cache.reset()
     logits = m.backend.forward(ids, cache)[-1]
     if a.check:
         check()
+    if a.prompt:
+        prompt()
     prof.enable()
     for _ in range(a.n):
         if a.check:
             check()
+        elif a.prompt:
+            prompt()
         else:
             t = sampler.next(logits)
             logits = m.backend.forward([t], cache)[-1]
     prof.disable()
     cats = categorize(pstats.Stats(prof))
     total = sum(cats.values())
-    step = f"forwards of {a.check} tokens" if a.check else "decode steps"
+    step = f"forwards of {a.check} tokens" if a.check else f"prompts of {a.prompt} tokens" if a.prompt else "decode steps"
     print(f"{a.model}, {a.threads} threads, {a.n} {step}: {total / a.n * 1e3:.2f} ms each under cProfile\n")
     print("| part | ms | share |\n|---|---|---|")
     for c, v in cats.items():
