@@ -226,7 +226,7 @@ def _rows16(kind, n_tok, batch=False):
     through the same operations for any n_tok (verification gets decode's bits); the weights
     are loaded and unpacked once for all n_tok."""
     _, gb, off, _ = LAYOUT[kind]
-    pf = None if batch else cpu.KIND.prefetch[n_tok]     # a batch re-reads a group from cache: no prefetch
+    pf = None if batch else cpu.KIND.prefetch.get(n_tok)     # a batch re-reads a group from cache: no prefetch
 
     @intrinsic
     def rows16(typingctx, pk, g, nb, xq, xd, isum, y, t0):
