@@ -69,3 +69,22 @@ def test_runner_follows_a_row_with_gemm8(monkeypatch):
     lin, X, ref, calls = _q8_layer(monkeypatch)
     _run(lin, X, ref)
     assert calls == [1]
+
+
+def test_a_cpu_without_avx512_imports_and_gets_the_portable_row():
+    """On a CPU with none of the row's features (simulated: LLVM reports none), the kernels
+    import, nothing is repacked and prompts take the tile kernel."""
+    import subprocess
+    import sys
+    code = ("import llvmlite.binding as l\n"
+            "real = l.get_host_cpu_features()\n"
+            "class NoFeatures(dict):    # numba still builds its target string from the real ones\n"
+            "    flatten = lambda self: real.flatten()\n"
+            "l.get_host_cpu_features = NoFeatures\n"
+            "import quant, quant.packed, quant.cpu as c\n"
+            "from gguf import GGMLQuantizationType as T\n"
+            "assert c.KIND.name == 'portable' and not quant.packed.enabled(), c.KIND\n"
+            "assert c.linear(T.Q4_0, False, 64, True, False) == 'tile'\n"
+            "assert quant.qtype(T.Q4_K).matvec_rows is None\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
