@@ -143,7 +143,7 @@ def test_matvec_rejects_wrong_length():
         kquants.QTYPES[int(T.Q4_K)].matvec(raw, np.zeros(256, np.float32), np.empty(2, np.float32))
 
 
-@pytest.mark.skipif(not kquants.VNNI, reason="this CPU has no AVX512-VNNI")
+@pytest.mark.skipif(not kquants.KIND.vnni, reason="this CPU has no AVX512-VNNI")
 @pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("seed", range(4))
 def test_vnni_kernels_return_the_portable_bits(t, seed):
@@ -162,7 +162,7 @@ def test_vnni_kernels_return_the_portable_bits(t, seed):
     np.testing.assert_array_equal(y, y_portable)
 
 
-@pytest.mark.skipif(not kquants.VNNI, reason="this CPU has no AVX512-VNNI")
+@pytest.mark.skipif(not kquants.KIND.vnni, reason="this CPU has no AVX512-VNNI")
 @pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [2, 5, kquants.ROWS])
 def test_matvec_rows_gives_each_row_the_bits_of_matvec(t, m):
