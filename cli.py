@@ -36,7 +36,8 @@ def _kernel_cache_dir() -> Path:
     digest = hashlib.sha256()
     for p in sorted([*(root / "quant").glob("*.py"), *(root / "runner" / "backends").glob("*.py")]):
         src = p.read_bytes()
-        if b"numba" in src or b"llvmlite" in src:     # what numba compiles from (not graph.py, MLX)
+        # what kernels compile from, and quant/cpu.py's kernel table (not graph.py, MLX)
+        if any(w in src for w in (b"import numba", b"from numba", b"import llvmlite")):
             digest.update(src)
     base = catalog.home() / "numba-cache"
     path = base / digest.hexdigest()[:16]
