@@ -104,6 +104,8 @@ def _check_call(fn, args, kwargs):
         if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_CHARS:
             _too_big(abs(a), f"call of {getattr(fn, '__name__', 'a function')}")
     name, owner = getattr(fn, "__name__", ""), getattr(fn, "__self__", None)
+    if owner is None:   # jinja's sandbox wraps str.format (functools.update_wrapper: no __self__)
+        owner = getattr(getattr(fn, "__wrapped__", None), "__self__", None)
     if isinstance(owner, str):   # a bound str method: the string is its first input
         args = (owner, *args)
     if not args:

@@ -182,6 +182,15 @@ def test_resource_bombs_fail_fast_with_one_line(name):
     assert "\n" not in msg and msg.startswith("chat template"), msg
 
 
+@pytest.mark.parametrize("source", ["{{ '{:>999999999}'.format(1) }}", "{{ '{:>9999999999}'.format(1) }}",
+                                    "{{ '{0:>99999999}{0:>99999999}'.format_map({'0': 1}) }}"])
+def test_format_widths_are_refused_before_formatting(source):
+    """str.format reaches the checks through jinja's wrapper: a wide format is refused by its
+    width, before a string of that size is built (10 GB for the second)."""
+    with pytest.raises(TemplateError, match="format width is too large"):
+        ChatTemplate(source, "<s>", "</s>").render([{"role": "user", "content": "hi"}])
+
+
 ESCAPES = [
     "{{ ''.__class__.__mro__[1].__subclasses__() }}",
     "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
