@@ -70,9 +70,14 @@ KIND = pick(llvm.get_host_cpu_features())
 CPU_NAME = llvm.get_host_cpu_name()     # LLVM's name for the host (znver5, sapphirerapids, ...)
 
 
+def repacking() -> bool:
+    """Whether this row repacks any type (NUMBAT_REPACK=0 keeps the file's layout)."""
+    return bool(KIND.repack) and os.environ.get("NUMBAT_REPACK", "1") != "0"
+
+
 def repacked(type_id: int, rows: int) -> bool:
-    """Whether a weight is repacked at load (NUMBAT_REPACK=0 keeps the file's layout)."""
-    return type_id in KIND.repack and rows % 16 == 0 and os.environ.get("NUMBAT_REPACK", "1") != "0"
+    """Whether a weight is repacked at load."""
+    return type_id in KIND.repack and rows % 16 == 0 and repacking()
 
 
 def linear(type_id: int, packed: bool, n: int, batch: bool, has_rows: bool) -> str:

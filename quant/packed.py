@@ -70,7 +70,7 @@ class Packed:
 
 
 def enabled() -> bool:
-    return cpu.repacked(T.Q4_0, 16)
+    return cpu.repacking()
 
 
 def supports(type_id: int, rows: int) -> bool:
