@@ -601,11 +601,18 @@ def matvec(p: Packed, x: np.ndarray, y: np.ndarray) -> None:
     matmul_rows(p, x[None], y[None])
 
 
-def precompile() -> None:
-    """Compile (or load) _matmul and the activation quantizers, every signature a model's
-    forward calls them with, on one all-zero group of each quantizer's kinds: the first run
-    does this while a second process compiles the attention kernels (runner.backends)."""
-    for t in (T.Q8_0, T.Q4_K, T.Q6_K):     # _quantize_0, _quantize_k with int16 and int32 sums
+QUANTIZERS = (T.Q8_0, T.Q4_K, T.Q6_K)    # _quantize_0, _quantize_k with int16 and int32 sums
+
+
+def precompile(matmul: bool = True, quantizers=QUANTIZERS) -> None:
+    """Compile (or load) _matmul and the activation quantizers of the given types, every
+    signature a model's forward calls them with, on one all-zero group (the first run shares
+    them between two processes: runner.backends.numba_cpu.FirstRun)."""
+    for t in QUANTIZERS:
         _, gb, _, nv = LAYOUT[KINDS[t]]
         p = Packed(t, np.zeros((1, gb), np.uint8), 16, nv)
-        matmul_rows(p, np.zeros((1, nv), np.float32), np.zeros((1, 16), np.float32))
+        if t in quantizers:
+            xq, xd, isum, nb = _quantized(p, np.zeros((1, nv), np.float32), 1)
+        if matmul:
+            xq, xd, isum = np.zeros((1, nv), np.int8), np.zeros((1, nv // 32), np.float32), np.zeros((1, nv // 4), np.int32)
+            _matmul(p.data, p.kind, 1, xq, xd, isum, np.zeros((1, 16), np.float32), 0)

@@ -20,7 +20,7 @@ from runner.backends import numba_cpu
 
 REPO = Path(__file__).resolve().parents[1]
 AHEAD = [quant.packed._matmul, quant.packed._quantize_0, quant.packed._quantize_k, K.rms_norm, K.silu_mul,
-         K.silu_mul_halves, K.rope_store, K.flash_attention, K.attention, K.flash_attention_q, K.store_kv, K.fwht]
+         K.silu_mul_halves, K.rope_store, K.flash_attention(64), K.attention, K.flash_attention_q, K.store_kv, K.fwht]
 
 
 def signatures():
@@ -43,10 +43,11 @@ def tiny(path, weights):
 @pytest.mark.parametrize("weights", [T.Q8_0, T.Q4_K, T.Q6_K])
 @pytest.mark.parametrize("flash,types", [(True, ("f16", "f16")), (False, ("f16", "f16")), (True, ("q8_0", "q4_0"))])
 def test_ahead_of_time_signatures_are_the_forwards(tmp_path, weights, flash, types):
-    numba_cpu.precompile()
-    numba_cpu.compile_attention(flash, types)
+    numba_cpu.precompile(helper=True)
+    numba_cpu.precompile(helper=False)
+    numba_cpu.compile_attention(flash, types, 64)     # the tiny model's head size
     ahead = signatures()
-    attention = {(True, True): K.flash_attention, (True, False): K.flash_attention_q, (False, True): K.attention}
+    attention = {(True, True): K.flash_attention(64), (True, False): K.flash_attention_q, (False, True): K.attention}
     assert ahead[attention[flash, types == ("f16", "f16")]], "the helper compiled no attention kernel"
     if quant.packed.enabled():
         assert ahead[quant.packed._matmul] and ahead[quant.packed._quantize_0] and len(ahead[quant.packed._quantize_k]) == 2
@@ -62,7 +63,7 @@ def test_ahead_of_time_signatures_are_the_forwards(tmp_path, weights, flash, typ
 
 def test_helper_process_runs():
     """The command FirstRun starts (its output is hidden from the user): exits cleanly."""
-    r = subprocess.run([sys.executable, "-m", "runner.backends.numba_cpu", "1", "q8_0", "q8_0"], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "runner.backends.numba_cpu", "1", "q8_0", "q8_0"], cwd=REPO, input="128\n",
                        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
 

@@ -18,6 +18,12 @@ _C = [f32(float.fromhex(h)) for h in ("0x1.8p23", "0x1.715476p+0", "0x1.7f7d1cp-
 _R, _LOG2E, _LN2LO, _LN2HI, _P5, _P4, _P3, _P2, _P1 = _C
 
 
+# Parallel kernels parallelize their prange loops only: numba would otherwise turn each
+# np.zeros / np.full in them into a parallel loop of its own, each compiled on the first run
+# (~0.3 s) and started at run time.
+PRANGE = dict(numpy=False, comprehension=False, setitem=False, inplace_binop=False, reduction=False, stencil=False)
+
+
 @njit(inline="always")
 def _pow2(k):
     return bits_f32(np.int32((k + 127) << 23))      # 2**k for -126 <= k <= 127
@@ -207,7 +213,7 @@ def _row(table, s):
     return table[s >> 6] * 64 + (s & 63)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=PRANGE, cache=True)
 def attention(q, qpos, qseq, qbatch, k, v, kpos, tables, seq_slots, window, scale, out, scratch, threads, kt):
     """out[t, h] = softmax(scale * q[t, h] . k[g]) @ v[g] over the slots of token t's sequence
     that hold a position p <= qpos[t] (and qpos[t] - p < window for sliding layers), g = h's
@@ -415,10 +421,100 @@ def _scores_one(d, kf, k0, stride, qb, P):
 FA_ONE, FA_VEC, FA_TILE = 0, 1, 2
 
 
-@njit(parallel=True, cache=True)
-def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window, scale, out, scratch, nth):
+# flash_attention's two paths for one work item, compiled as functions of their own and called
+# from its parallel loop: numba's parallel passes copy and rewrite a prange body whole, and
+# with these inlined they took most of the kernel's first-run compilation. d arrives as a
+# literal (flash_attention(head_dim)), so numba prunes the other head sizes' paths.
+@njit
+def _fa_tile(d, group, g, kf, vf, kpage, vpage, stride, tab, top, kpos, p1, window, scale, qs, accs, P, Ms, Ss):
+    """FA_TILE: each of the group's heads through 64-cell tiles of cells [0, top)."""
+    for e in range(group):
+        qb, acc = qs[e * d:(e + 1) * d], accs[e * d:(e + 1) * d]
+        M, S = Ms[e], Ss[e]
+        for b0 in range(0, top, 64):          # a tile of 64 cells (one page)
+            k0 = tab[b0 >> 6] * kpage + g * d * stride
+            tmax = f32(-np.inf)
+            for c16 in range(0, 64, 16):
+                _scores_chain(d, kf, k0 + c16, stride, qb, 0, P, c16)
+            for cc in range(64):
+                if b0 + cc < top and _visible(kpos[_row(tab, b0 + cc)], p1, window):
+                    P[cc] = P[cc] * scale
+                    tmax = max(tmax, P[cc])
+                else:
+                    P[cc] = f32(-np.inf)
+            if tmax == -np.inf:
+                continue
+            if tmax > M:
+                ms = libm_expf(M - tmax)
+                for j in range(d):
+                    acc[j] = acc[j] * ms
+                S = S * ms
+                M = tmax
+            total = 0.0
+            for c16 in range(0, 64, 16):
+                x = P[c16:c16 + 16]
+                for cc in range(16):
+                    x[cc] = expf(x[cc] - M)
+                total += np.float64(((x[8] + x[0]) + (x[12] + x[4])) + ((x[10] + x[2]) + (x[14] + x[6]))
+                                    + (((x[9] + x[1]) + (x[13] + x[5])) + ((x[11] + x[3]) + (x[15] + x[7]))))
+            S = f32(np.float64(S) + total)
+            v0 = tab[b0 >> 6] * vpage + g * 64 * d
+            for cc in range(64):
+                w = P[cc]
+                vr = vf[v0 + cc * d:v0 + cc * d + d]
+                for j in range(d):
+                    acc[j] = fma32(h2f(vr[j]), w, acc[j])
+        Ms[e], Ss[e] = M, S
+
+
+@njit
+def _fa_vec(d, group, g, kf, vf, kpage, vpage, stride, tab, c0, c1, kpos, p1, window, scale, qs, accs, P, Ms, Ss, Pe):
+    """FA_VEC / FA_ONE: cells [c0, c1), 16 at a time for all the group's heads."""
+    # 16 cells at a time for all the group's heads, cell by cell across the heads:
+    # a cell's K and V rows are read from memory once and from L1 for the other heads,
+    # and the heads' f16 value sums are independent chains the core overlaps (one
+    # head's chain of convert-fma-convert per cell is latency-bound). Each head's float
+    # steps are its own, in cell order, as before.
+    for b0 in range(c0 - (c0 & 15), c1, 16):
+        k0 = tab[b0 >> 6] * kpage + g * d * stride + (b0 & 63)
+        for e in range(group):
+            _scores_one(d, kf, k0, stride, qs[e * d:(e + 1) * d], P)
+            for cc in range(16):
+                Pe[e * 16 + cc] = P[cc] * scale
+        for cc in range(16):
+            s = b0 + cc
+            if s < c0 or s >= c1 or not _visible(kpos[_row(tab, s)], p1, window):
+                continue
+            r = _row(tab, s)
+            v0 = (r >> 6) * vpage + g * 64 * d + (r & 63) * d
+            for e in range(group):
+                a0, M, sv = e * d, Ms[e], Pe[e * 16 + cc]     # offsets, not slices: no view per cell
+                ms, vs = f32(1), f32(1)
+                if sv > M:
+                    ms = libm_expf(M - sv)
+                    M = sv
+                    if d % 16 == 0:
+                        for j in range(0, d, 16):
+                            mul16h(accs, a0 + j, ms)
+                    else:
+                        for j in range(d):
+                            accs[a0 + j] = h2f(f2h(accs[a0 + j] * ms))
+                else:
+                    vs = libm_expf(sv - M)
+                if d % 16 == 0:
+                    for j in range(0, d, 16):
+                        fma16h(accs, a0 + j, vf, v0 + j, vs)
+                else:
+                    for j in range(d):
+                        accs[a0 + j] = h2f(f2h(fma32(h2f(vf[v0 + j]), vs, accs[a0 + j])))
+                Ms[e], Ss[e] = M, fma32(Ss[e], ms, vs)
+
+
+@functools.cache
+def flash_attention(head_dim: int):
     """Attention in the float steps of llama.cpp's CPU flash-attention kernel, f16 cache, to
-    the bit. Arguments as attention()'s (q (n_tok, n_head, d) float32, not rounded), but per
+    the bit: the kernel for one head size (a constant inside: numba prunes the other sizes'
+    paths, so the first run compiles one of them). Arguments as attention()'s (q (n_tok, n_head, d) float32, not rounded), but per
     query the path llama.cpp takes for it: qmode FA_TILE (a batch of >= 64 tokens: q in
     float32, 64-cell tiles, scores one fma chain over the dims, the tile's softmax with ggml's
     exp summed in float64, values summed in float32 fma chains), FA_VEC (a smaller batch: q
@@ -434,166 +530,96 @@ def flash_attention(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window,
     llama.cpp skip them. Work items: a query, a kv head and
     a chunk of cells; the group's query heads go through each block of 16 cells together
     (FA_TILE: one head after the other)."""
-    n_tok, n_head, d = q.shape
-    n_kv, stride = k.shape[1], k.shape[3]
-    kpage, vpage = n_kv * d * stride, n_kv * 64 * d
-    group = n_head // n_kv
-    kf, vf = k.ravel(), v.ravel()
-    nek = np.empty(n_tok, np.int64)     # cells in llama.cpp's view
-    nch = np.ones(n_tok, np.int64)      # chunks they are split into
-    top = np.zeros(n_tok, np.int64)     # one past the last cell the query sees
-    pidx = np.full(n_tok, -1, np.int64) # its rows of part (split queries only)
-    n_split, n_items = 0, 0
-    for t in range(n_tok):
-        tab = tables[qseq[t]]
-        used = 0        # cells a decode of this token alone would have written: not later tokens'
-        for s in range(seq_slots[qseq[t]]):
-            p0 = kpos[_row(tab, s)]
-            if _visible(p0, qpos[t], window):
-                top[t] = s + 1
-            if 0 <= p0 <= qpos[t]:
-                used = s + 1
-        nek[t] = max(256, -(-used // 256) * 256)
-        if qmode[t] == FA_ONE and nek[t] >= 512:
-            nch[t] = nth
-            pidx[t] = n_split
-            n_split += 1
-        n_items += n_kv * nch[t]
-    part = np.zeros((max(n_split, 1), n_head, nth, d + 2), np.float32)   # per chunk: M, S, values
-    it = np.empty((n_items, 3), np.int64)
-    i = 0
-    for t in range(n_tok):
-        for g in range(n_kv):
-            for c in range(nch[t]):
-                it[i, 0], it[i, 1], it[i, 2] = t, g, c
-                i += 1
-    for i in prange(n_items):
-        t, g, c = it[i, 0], it[i, 1], it[i, 2]
-        tab = tables[qseq[t]]
-        size = -(-nek[t] // nch[t])
-        c0, c1 = c * size, min((c + 1) * size, nek[t], top[t])
-        buf = scratch[get_thread_id()]
-        # per query head of the group: q, its value sums, M and S; P: 64 lanes of 16 scores
-        gd = group * d
-        o1 = 2 * gd + 64 * 16
-        qs, accs, P = buf[:gd], buf[gd:2 * gd], buf[2 * gd:o1]
-        Ms, Ss, Pe = buf[o1:o1 + group], buf[o1 + group:o1 + 2 * group], buf[o1 + 2 * group:o1 + 18 * group]
-        p1 = qpos[t]
-        tile = qmode[t] == FA_TILE
-        for e in range(group):
-            h = g * group + e
-            for j in range(d):
-                qs[e * d + j] = q[t, h, j] if tile else h2f(f2h(q[t, h, j]))
-                accs[e * d + j] = 0
-            Ms[e], Ss[e] = f32(-np.inf), f32(0)     # float32 throughout: exp of a float64 would round differently
-        if tile:
+    def flash_attention_kernel(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window, scale, out, scratch, nth):
+        d = head_dim
+        n_tok, n_head = q.shape[0], q.shape[1]
+        n_kv, stride = k.shape[1], k.shape[3]
+        kpage, vpage = n_kv * d * stride, n_kv * 64 * d
+        group = n_head // n_kv
+        kf, vf = k.ravel(), v.ravel()
+        nek = np.empty(n_tok, np.int64)     # cells in llama.cpp's view
+        nch = np.ones(n_tok, np.int64)      # chunks they are split into
+        top = np.zeros(n_tok, np.int64)     # one past the last cell the query sees
+        pidx = np.full(n_tok, -1, np.int64) # its rows of part (split queries only)
+        n_split, n_items = 0, 0
+        for t in range(n_tok):
+            tab = tables[qseq[t]]
+            used = 0        # cells a decode of this token alone would have written: not later tokens'
+            for s in range(seq_slots[qseq[t]]):
+                p0 = kpos[_row(tab, s)]
+                if _visible(p0, qpos[t], window):
+                    top[t] = s + 1
+                if 0 <= p0 <= qpos[t]:
+                    used = s + 1
+            nek[t] = max(256, -(-used // 256) * 256)
+            if qmode[t] == FA_ONE and nek[t] >= 512:
+                nch[t] = nth
+                pidx[t] = n_split
+                n_split += 1
+            n_items += n_kv * nch[t]
+        part = np.zeros((max(n_split, 1), n_head, nth, d + 2), np.float32)   # per chunk: M, S, values
+        it = np.empty((n_items, 3), np.int64)
+        i = 0
+        for t in range(n_tok):
+            for g in range(n_kv):
+                for c in range(nch[t]):
+                    it[i, 0], it[i, 1], it[i, 2] = t, g, c
+                    i += 1
+        for i in prange(n_items):
+            t, g, c = it[i, 0], it[i, 1], it[i, 2]
+            buf = scratch[get_thread_id()]
+            tab = tables[qseq[t]]
+            size = -(-nek[t] // nch[t])
+            c0, c1 = c * size, min((c + 1) * size, nek[t], top[t])
+            # per query head of the group: q, its value sums, M and S; P: 64 lanes of 16 scores
+            gd = group * d
+            o1 = 2 * gd + 64 * 16
+            qs, accs, P = buf[:gd], buf[gd:2 * gd], buf[2 * gd:o1]
+            Ms, Ss, Pe = buf[o1:o1 + group], buf[o1 + group:o1 + 2 * group], buf[o1 + 2 * group:o1 + 18 * group]
+            p1 = qpos[t]
+            tile = qmode[t] == FA_TILE
             for e in range(group):
-                qb, acc = qs[e * d:(e + 1) * d], accs[e * d:(e + 1) * d]
-                M, S = Ms[e], Ss[e]
-                for b0 in range(0, top[t], 64):          # a tile of 64 cells (one page)
-                    k0 = tab[b0 >> 6] * kpage + g * d * stride
-                    tmax = f32(-np.inf)
-                    for c16 in range(0, 64, 16):
-                        _scores_chain(d, kf, k0 + c16, stride, qb, 0, P, c16)
-                    for cc in range(64):
-                        if b0 + cc < top[t] and _visible(kpos[_row(tab, b0 + cc)], p1, window):
-                            P[cc] = P[cc] * scale
-                            tmax = max(tmax, P[cc])
-                        else:
-                            P[cc] = f32(-np.inf)
-                    if tmax == -np.inf:
-                        continue
-                    if tmax > M:
-                        ms = libm_expf(M - tmax)
-                        for j in range(d):
-                            acc[j] = acc[j] * ms
-                        S = S * ms
-                        M = tmax
-                    total = 0.0
-                    for c16 in range(0, 64, 16):
-                        x = P[c16:c16 + 16]
-                        for cc in range(16):
-                            x[cc] = expf(x[cc] - M)
-                        total += np.float64(((x[8] + x[0]) + (x[12] + x[4])) + ((x[10] + x[2]) + (x[14] + x[6]))
-                                            + (((x[9] + x[1]) + (x[13] + x[5])) + ((x[11] + x[3]) + (x[15] + x[7]))))
-                    S = f32(np.float64(S) + total)
-                    v0 = tab[b0 >> 6] * vpage + g * 64 * d
-                    for cc in range(64):
-                        w = P[cc]
-                        vr = vf[v0 + cc * d:v0 + cc * d + d]
-                        for j in range(d):
-                            acc[j] = fma32(h2f(vr[j]), w, acc[j])
-                Ms[e], Ss[e] = M, S
-        else:
-            # 16 cells at a time for all the group's heads, cell by cell across the heads:
-            # a cell's K and V rows are read from memory once and from L1 for the other heads,
-            # and the heads' f16 value sums are independent chains the core overlaps (one
-            # head's chain of convert-fma-convert per cell is latency-bound). Each head's float
-            # steps are its own, in cell order, as before.
-            for b0 in range(c0 - (c0 & 15), c1, 16):
-                k0 = tab[b0 >> 6] * kpage + g * d * stride + (b0 & 63)
-                for e in range(group):
-                    _scores_one(d, kf, k0, stride, qs[e * d:(e + 1) * d], P)
-                    for cc in range(16):
-                        Pe[e * 16 + cc] = P[cc] * scale
-                for cc in range(16):
-                    s = b0 + cc
-                    if s < c0 or s >= c1 or not _visible(kpos[_row(tab, s)], p1, window):
-                        continue
-                    r = _row(tab, s)
-                    v0 = (r >> 6) * vpage + g * 64 * d + (r & 63) * d
-                    for e in range(group):
-                        a0, M, sv = e * d, Ms[e], Pe[e * 16 + cc]     # offsets, not slices: no view per cell
-                        ms, vs = f32(1), f32(1)
-                        if sv > M:
-                            ms = libm_expf(M - sv)
-                            M = sv
-                            if d % 16 == 0:
-                                for j in range(0, d, 16):
-                                    mul16h(accs, a0 + j, ms)
-                            else:
-                                for j in range(d):
-                                    accs[a0 + j] = h2f(f2h(accs[a0 + j] * ms))
-                        else:
-                            vs = libm_expf(sv - M)
-                        if d % 16 == 0:
-                            for j in range(0, d, 16):
-                                fma16h(accs, a0 + j, vf, v0 + j, vs)
-                        else:
-                            for j in range(d):
-                                accs[a0 + j] = h2f(f2h(fma32(h2f(vf[v0 + j]), vs, accs[a0 + j])))
-                        Ms[e], Ss[e] = M, fma32(Ss[e], ms, vs)
-        for e in range(group):
-            h = g * group + e
-            acc, M, S = accs[e * d:(e + 1) * d], Ms[e], Ss[e]
-            if pidx[t] >= 0:
-                pr = part[pidx[t], h, c]
-                pr[0], pr[1] = M, S
+                h = g * group + e
                 for j in range(d):
-                    pr[2 + j] = acc[j]
+                    qs[e * d + j] = q[t, h, j] if tile else h2f(f2h(q[t, h, j]))
+                    accs[e * d + j] = 0
+                Ms[e], Ss[e] = f32(-np.inf), f32(0)     # float32 throughout: exp of a float64 would round differently
+            if tile:
+                _fa_tile(d, group, g, kf, vf, kpage, vpage, stride, tab, top[t], kpos, p1, window, scale, qs, accs, P, Ms, Ss)
             else:
-                inv = f32(0) if S == 0 else f32(1) / S
+                _fa_vec(d, group, g, kf, vf, kpage, vpage, stride, tab, c0, c1, kpos, p1, window, scale, qs, accs, P, Ms, Ss, Pe)
+            for e in range(group):
+                h = g * group + e
+                acc, M, S = accs[e * d:(e + 1) * d], Ms[e], Ss[e]
+                if pidx[t] >= 0:
+                    pr = part[pidx[t], h, c]
+                    pr[0], pr[1] = M, S
+                    for j in range(d):
+                        pr[2 + j] = acc[j]
+                else:
+                    inv = f32(0) if S == 0 else f32(1) / S
+                    for j in range(d):
+                        out[t, h, j] = acc[j] * inv
+        for t in range(n_tok):          # merge the chunks of split queries, in order
+            if pidx[t] < 0:
+                continue
+            for h in range(n_head):
+                M, S = f32(-np.inf), f32(0)
+                acc = np.zeros(d, np.float32)
+                for c in range(nch[t]):
+                    pr = part[pidx[t], h, c]
+                    if pr[1] == 0:
+                        continue
+                    mn = max(M, pr[0])
+                    so, sn = libm_expf(M - mn), libm_expf(pr[0] - mn)
+                    for j in range(d):
+                        acc[j] = fma32(acc[j], so, pr[2 + j] * sn)
+                    S = fma32(S, so, pr[1] * sn)
+                    M = mn
+                inv = f32(1) / S if S != 0 else f32(1)
                 for j in range(d):
                     out[t, h, j] = acc[j] * inv
-    for t in range(n_tok):          # merge the chunks of split queries, in order
-        if pidx[t] < 0:
-            continue
-        for h in range(n_head):
-            M, S = f32(-np.inf), f32(0)
-            acc = np.zeros(d, np.float32)
-            for c in range(nch[t]):
-                pr = part[pidx[t], h, c]
-                if pr[1] == 0:
-                    continue
-                mn = max(M, pr[0])
-                so, sn = libm_expf(M - mn), libm_expf(pr[0] - mn)
-                for j in range(d):
-                    acc[j] = fma32(acc[j], so, pr[2 + j] * sn)
-                S = fma32(S, so, pr[1] * sn)
-                M = mn
-            inv = f32(1) / S if S != 0 else f32(1)
-            for j in range(d):
-                out[t, h, j] = acc[j] * inv
+    return njit(parallel=PRANGE, cache=True)(flash_attention_kernel)
 
 
 # cache element types inside the kernels
@@ -707,7 +733,7 @@ def _deq_row(vr, vt, nb, out):
                 out[b * 32 + 16 + j] = f32((byte >> 4) - 8) * dv
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=PRANGE, cache=True)
 def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scale, out, scratch, kt, vt):
     """flash_attention with a quantized K or V (llama.cpp's -ctk/-ctv q8_0 | q4_0): every query
     takes the one-chunk kernel (llama.cpp's tiled and split paths need f16 K and V). q is

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
+from gguf import GGMLQuantizationType as T
 
 import quant
 from models import derived
@@ -281,8 +282,8 @@ class NumbaCPU:
             K.attention(q3, b.positions, b.seq, st.qbatch, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
                         kq_scale, a3, self.scratch, numba.get_num_threads(), self._kv_codes[0])
         elif plain:
-            K.flash_attention(q3, b.positions, b.seq, st.qmode, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots,
-                              L.window, kq_scale, a3, self.scratch, numba.get_num_threads())
+            K.flash_attention(c.head_dim)(q3, b.positions, b.seq, st.qmode, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots,
+                                           L.window, kq_scale, a3, self.scratch, numba.get_num_threads())
         else:
             K.flash_attention_q(q3, b.positions, b.seq, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
                                 kq_scale, a3, self.scratch, *self._kv_codes)
@@ -355,13 +356,14 @@ class NumbaCPU:
 
 
 class FirstRun:
-    """The first run on a machine compiles every kernel (numba caches them after): about a
-    minute on one core. Two processes share it: a helper started now compiles the attention
-    kernels (the largest: flash attention alone takes ~15 s) through a tiny float model,
-    while this process loads the model and compiles the matmul kernels and the small ones;
-    warm() then waits for the helper and runs the model's own forward, which loads those from
-    the cache and compiles what is left (its embedding's type, gemma's activation). A helper
-    that fails costs nothing but time: whatever it did not cache is compiled here."""
+    """The first run on a machine compiles every kernel the model needs (numba caches them
+    after). Two processes share it: a helper started now, while the model downloads and
+    loads, compiles the kernels no model changes (norms, activations, RoPE and the K/V store,
+    the Q8_0 activation quantizer); warm() then tells it the model's head size, for the
+    attention kernel, compiles the matmuls and the K-quant quantizer here, waits for the
+    helper and runs the model's own forward, which loads those from the cache and compiles
+    what is left (its embedding's type, gemma's activation). A helper that fails costs nothing
+    but time: whatever it did not cache is compiled here."""
 
     def __init__(self, flash: bool, cache_types: tuple[str, str]):
         import subprocess
@@ -370,10 +372,15 @@ class FirstRun:
         root = str(Path(__file__).resolve().parents[2])     # importable from any directory
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self.helper = subprocess.Popen([sys.executable, "-m", "runner.backends.numba_cpu", str(int(flash)), *cache_types],
-                                       env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                       env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def warm(self, be: NumbaCPU, token: int) -> None:
-        precompile()
+        try:
+            self.helper.stdin.write(f"{be.cfg.head_dim}\n".encode())
+            self.helper.stdin.close()
+        except OSError:         # the helper is gone: the forward below compiles its share
+            pass
+        precompile(helper=False)
         self.helper.wait()
         cache = be.make_cache(64)
         be.forward([token] * 2, cache)      # a batch's paths, then decode's
@@ -386,22 +393,23 @@ class FirstRun:
             self.helper.wait()
 
 
-def precompile() -> None:
-    """FirstRun's share of this process: the repacked matmuls and their activation
-    quantizers, the norms and SiLU products, on empty or all-zero arrays of the types the
-    forward passes (tests/test_first_run.py checks they are its signatures)."""
+def precompile(helper: bool) -> None:
+    """A share of FirstRun's kernels, on empty or all-zero arrays of the types the forward
+    passes (tests/test_first_run.py checks they are its signatures): the helper's (norms,
+    SiLU products, the Q8_0 activation quantizer) or this process's (the repacked matmuls
+    and the K-quant quantizer), each about half of the first run's compilation."""
+    if helper:
+        z = np.zeros((1, 16), np.float32)
+        K.rms_norm(z, z[0], 1e-6, z)
+        K.silu_mul(z, z, z)
+        K.silu_mul_halves(z, z[:, :8])
     if quant.packed.enabled():
-        quant.packed.precompile()
-    z = np.zeros((1, 16), np.float32)
-    K.rms_norm(z, z[0], 1e-6, z)
-    K.silu_mul(z, z, z)
-    K.silu_mul_halves(z, z[:, :8])
+        quant.packed.precompile(matmul=not helper, quantizers=(T.Q8_0,) if helper else (T.Q4_K, T.Q6_K))
 
 
-def compile_attention(flash: bool, cache_types: tuple[str, str]) -> None:
-    """FirstRun's helper: RoPE, the K/V store and the attention kernel of the parent's path
-    and cache types, on two tokens then one of a tiny float model (head size 64, so that
-    the rotations around a quantized cache compile too)."""
+def compile_attention(flash: bool, cache_types: tuple[str, str], head_dim: int) -> None:
+    """FirstRun's helper: RoPE, the K/V store and the attention kernel of the parent's path,
+    cache types and head size, on two tokens then one of a tiny float model."""
     import tempfile
     from pathlib import Path
 
@@ -409,7 +417,7 @@ def compile_attention(flash: bool, cache_types: tuple[str, str]) -> None:
     from gguf_io.reader import open_gguf
     from gguf_io.testing import write_tiny_model
     with tempfile.TemporaryDirectory(prefix="numbat-warm-") as d:
-        f = open_gguf(write_tiny_model(Path(d) / "tiny.gguf", "qwen2", n_embd=128, n_head=2, n_head_kv=1, head_dim=64))
+        f = open_gguf(write_tiny_model(Path(d) / "tiny.gguf", "qwen2", n_embd=128, n_head=2, n_head_kv=1, head_dim=head_dim))
         be = NumbaCPU(f, config_from_gguf(f), flash=flash, cache_types=cache_types)
         cache = be.make_cache(64)
         for n in (2, 1):
@@ -418,6 +426,10 @@ def compile_attention(flash: bool, cache_types: tuple[str, str]) -> None:
             be.attend(st, be.layers[0], kv[0], be.q[:n], be.k[:n], be.v[:n])
 
 
-if __name__ == "__main__":      # FirstRun's helper process: python -m runner.backends.numba_cpu FLASH KT VT
+if __name__ == "__main__":      # FirstRun's helper: python -m runner.backends.numba_cpu FLASH KT VT, head size on stdin
     import sys
-    compile_attention(sys.argv[1] == "1", (sys.argv[2], sys.argv[3]))
+    flash, types = sys.argv[1] == "1", (sys.argv[2], sys.argv[3])
+    precompile(helper=True)
+    line = sys.stdin.readline().strip()
+    if line.isdigit():
+        compile_attention(flash, types, int(line))
