@@ -23,8 +23,11 @@ AHEAD = [quant.packed._matmul, quant.packed._quantize_0, quant.packed._quantize_
          K.silu_mul_halves, K.rope_store, K.flash_attention(64), K.attention, K.flash_attention_q, K.store_kv, K.fwht]
 
 
+EMBED = {T.Q8_0: quant.legacy._dq_q8_0, T.Q4_K: quant.kquants.dequant_rows_q4_K, T.Q6_K: quant.kquants.dequant_rows_q6_K}
+
+
 def signatures():
-    return {d: set(d.signatures) for d in AHEAD}
+    return {d: set(d.signatures) for d in AHEAD + list(EMBED.values())}
 
 
 def tiny(path, weights):
@@ -45,8 +48,9 @@ def tiny(path, weights):
 def test_ahead_of_time_signatures_are_the_forwards(tmp_path, weights, flash, types):
     numba_cpu.precompile(helper=True)
     numba_cpu.precompile(helper=False)
-    numba_cpu.compile_attention(flash, types, 64)     # the tiny model's head size
+    numba_cpu.compile_attention(flash, types, 64, weights)    # the tiny model's head size, embedding type
     ahead = signatures()
+    assert ahead[EMBED[weights]], "the helper did not compile the embedding's row lookup"
     attention = {(True, True): K.flash_attention(64), (True, False): K.flash_attention_q, (False, True): K.attention}
     assert ahead[attention[flash, types == ("f16", "f16")]], "the helper compiled no attention kernel"
     if quant.packed.enabled():
@@ -57,14 +61,17 @@ def test_ahead_of_time_signatures_are_the_forwards(tmp_path, weights, flash, typ
     be.forward(np.arange(1, 9), cache)       # a batch
     be.forward([9], cache)                   # decode
     after = signatures()
-    grown = {d.py_func.__name__: after[d] - ahead[d] for d in AHEAD if after[d] - ahead[d]}
+    grown = {d.py_func.__name__: after[d] - ahead[d] for d in AHEAD + [EMBED[weights]] if after[d] - ahead[d]}
     assert not grown, f"the forward compiled signatures the first run did not: {grown}"
 
 
-def test_helper_process_runs():
-    """The command FirstRun starts (its output is hidden from the user): exits cleanly."""
-    r = subprocess.run([sys.executable, "-m", "runner.backends.numba_cpu", "1", "q8_0", "q8_0"], cwd=REPO, input="128\n",
-                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
+def test_helper_process_runs_from_any_directory(tmp_path):
+    """The command FirstRun starts (its output is hidden from the user) exits cleanly, even
+    from a directory holding a `runner` package of its own (`python -m` imported that one)."""
+    (tmp_path / "runner").mkdir()
+    (tmp_path / "runner" / "__init__.py").write_text("raise ImportError('the wrong runner')\n")
+    r = subprocess.run(numba_cpu.helper_command(True, ("q8_0", "q8_0")), cwd=tmp_path, input="128 8\n",
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
 
 

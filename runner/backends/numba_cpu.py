@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
-from gguf import GGMLQuantizationType as T
 
 import quant
 from models import derived
@@ -358,25 +357,21 @@ class NumbaCPU:
 class FirstRun:
     """The first run on a machine compiles every kernel the model needs (numba caches them
     after). Two processes share it: a helper started now, while the model downloads and
-    loads, compiles the kernels no model changes (norms, activations, RoPE and the K/V store,
-    the Q8_0 activation quantizer); warm() then tells it the model's head size, for the
-    attention kernel, compiles the matmuls and the K-quant quantizer here, waits for the
-    helper and runs the model's own forward, which loads those from the cache and compiles
-    what is left (its embedding's type, gemma's activation). A helper that fails costs nothing
-    but time: whatever it did not cache is compiled here."""
+    loads, compiles the kernels no model changes (norms, activations); warm() then tells it
+    the model's head size and embedding type, for RoPE, the K/V store, the attention kernel
+    and the embedding's row lookup, compiles the matmuls and the activation quantizers here,
+    waits for the helper and runs the model's own forward, which loads those from the cache
+    and compiles what is left (gemma's activation). A helper that fails costs nothing but
+    time: whatever it did not cache is compiled here."""
 
     def __init__(self, flash: bool, cache_types: tuple[str, str]):
         import subprocess
-        import sys
-        from pathlib import Path
-        root = str(Path(__file__).resolve().parents[2])     # importable from any directory
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        self.helper = subprocess.Popen([sys.executable, "-m", "runner.backends.numba_cpu", str(int(flash)), *cache_types],
-                                       env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.helper = subprocess.Popen(helper_command(flash, cache_types), stdin=subprocess.PIPE,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def warm(self, be: NumbaCPU, token: int) -> None:
         try:
-            self.helper.stdin.write(f"{be.cfg.head_dim}\n".encode())
+            self.helper.stdin.write(f"{be.cfg.head_dim} {be.embd.type_id}\n".encode())
             self.helper.stdin.close()
         except OSError:         # the helper is gone: the forward below compiles its share
             pass
@@ -396,20 +391,22 @@ class FirstRun:
 def precompile(helper: bool) -> None:
     """A share of FirstRun's kernels, on empty or all-zero arrays of the types the forward
     passes (tests/test_first_run.py checks they are its signatures): the helper's (norms,
-    SiLU products, the Q8_0 activation quantizer) or this process's (the repacked matmuls
-    and the K-quant quantizer), each about half of the first run's compilation."""
-    if helper:
+    SiLU products; then compile_attention) or this process's (the repacked matmuls and the
+    activation quantizers): each about half of the first run's compilation."""
+    if not helper:
         z = np.zeros((1, 16), np.float32)
         K.rms_norm(z, z[0], 1e-6, z)
         K.silu_mul(z, z, z)
         K.silu_mul_halves(z, z[:, :8])
     if quant.packed.enabled():
-        quant.packed.precompile(matmul=not helper, quantizers=(T.Q8_0,) if helper else (T.Q4_K, T.Q6_K))
+        Q = quant.packed.QUANTIZERS
+        quant.packed.precompile(matmul=not helper, quantizers=Q[:1] if helper else Q[1:])
 
 
-def compile_attention(flash: bool, cache_types: tuple[str, str], head_dim: int) -> None:
+def compile_attention(flash: bool, cache_types: tuple[str, str], head_dim: int, embd_type: int | None = None) -> None:
     """FirstRun's helper: RoPE, the K/V store and the attention kernel of the parent's path,
-    cache types and head size, on two tokens then one of a tiny float model."""
+    cache types and head size, on two tokens then one of a tiny float model; the row lookup
+    of the embedding's type."""
     import tempfile
     from pathlib import Path
 
@@ -424,12 +421,29 @@ def compile_attention(flash: bool, cache_types: tuple[str, str], head_dim: int) 
             positions, kv = cache.claim(n)
             st = be.begin(Batch(np.arange(1, n + 1), positions, np.zeros(n, np.int64), [(0, n, n > 1)], None))
             be.attend(st, be.layers[0], kv[0], be.q[:n], be.k[:n], be.v[:n])
+    if embd_type is not None and embd_type in quant.QTYPES:
+        q = quant.qtype(embd_type)
+        q.dequant_rows(np.zeros((1, q.type_size), np.uint8), np.zeros((1, q.block_size), np.float32))
 
 
-if __name__ == "__main__":      # FirstRun's helper: python -m runner.backends.numba_cpu FLASH KT VT, head size on stdin
+def helper_command(flash: bool, cache_types: tuple[str, str]) -> list[str]:
+    """The helper's command line. This package's directory goes first on its path: `python -m`
+    would put the working directory there, and a `runner` package of the user's (or of
+    another numbat checkout) would be imported instead. numba imports scipy only to learn
+    whether np.dot may be called (never, here): 0.4-0.6 s saved, as cli.py does."""
+    import sys
+    from pathlib import Path
+    root = str(Path(__file__).resolve().parents[2])
+    code = (f"import sys; sys.path.insert(0, {root!r}); sys.modules.setdefault('scipy', None); "
+            "from runner.backends.numba_cpu import helper; helper()")
+    return [sys.executable, "-c", code, str(int(flash)), *cache_types]
+
+
+def helper() -> None:
+    """FirstRun's helper process: argv FLASH KT VT; the head size and embedding type on stdin."""
     import sys
     flash, types = sys.argv[1] == "1", (sys.argv[2], sys.argv[3])
     precompile(helper=True)
-    line = sys.stdin.readline().strip()
-    if line.isdigit():
-        compile_attention(flash, types, int(line))
+    told = sys.stdin.readline().split()
+    if len(told) == 2 and all(w.isdigit() for w in told):
+        compile_attention(flash, types, int(told[0]), int(told[1]))
