@@ -36,6 +36,7 @@ NUMBAT_REPACK=0 keeps the file's layout.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -222,7 +223,7 @@ def _rows16(kind, n_tok, batch=False):
     """Y[t0 + t, 16g:16g+16] = group g of pk (2-D) . X[t0 + t] for t < n_tok, over nb blocks:
     X as xq (T, n) int8, xd (T, blocks) float32 scales, isum (T, .) sums of xq per 32 values
     (int32; Q4_K: two int16 sums in each int32; Q6_K 32 times the sums per 16: one type for
-    every kind, so _matmul compiles once, ~8 s on the first run). Each token's lanes go
+    every kind, so each kind's _matmul compiles once). Each token's lanes go
     through the same operations for any n_tok (verification gets decode's bits); the weights
     are loaded and unpacked once for all n_tok."""
     _, gb, off, _ = LAYOUT[kind]
@@ -484,21 +485,26 @@ BATCH_STEP = (LSTEP, LSTEP, LSTEP, 4, 4)    # by kind (Q4_K, Q6_K: llama.cpp's f
 _group1, _group4, _groupb = _dispatch((1,) * 5), _dispatch((4,) * 5), _dispatch(BATCH_STEP, True)
 
 
-@njit(parallel=True, cache=True)
-def _matmul(pk, kind, nb, xq, xd, isum, y, nbatch):
-    """y (T, rows) for the T tokens of xq: the first nbatch (a multiple of the kind's
-    BATCH_STEP) by the batch kernels, the rest four at a time, then one, by decode's. Not
-    fastmath: LLVM would then be free to fuse or reorder the float steps differently in the
-    1- and 4-token kernels, and a token checked in a group must get the bits it gets alone."""
-    T4 = xq.shape[0] // 4 * 4
+@functools.cache
+def _matmul(kind: int):
+    """The matmul kernel of one kind (a constant inside: numba prunes the other kinds'
+    kernels, so a first run compiles the kinds its model has): y (T, rows) for the T tokens
+    of xq, the first nbatch (a multiple of the kind's BATCH_STEP) by the batch kernels, the
+    rest four at a time, then one, by decode's. Not fastmath: LLVM would then be free to fuse
+    or reorder the float steps differently in the 1- and 4-token kernels, and a token checked
+    in a group must get the bits it gets alone."""
     step = LSTEP if kind <= Q8_0 else 4
-    for g in prange(pk.shape[0]):
-        for t0 in range(0, nbatch, step):
-            _groupb(kind, pk, g, nb, xq, xd, isum, y, t0)
-        for t0 in range(nbatch, T4, 4):
-            _group4(kind, pk, g, nb, xq, xd, isum, y, t0)
-        for t0 in range(T4, xq.shape[0]):
-            _group1(kind, pk, g, nb, xq, xd, isum, y, t0)
+
+    def _matmul_kernel(pk, nb, xq, xd, isum, y, nbatch):
+        T4 = xq.shape[0] // 4 * 4
+        for g in prange(pk.shape[0]):
+            for t0 in range(0, nbatch, step):
+                _groupb(kind, pk, g, nb, xq, xd, isum, y, t0)
+            for t0 in range(nbatch, T4, 4):
+                _group4(kind, pk, g, nb, xq, xd, isum, y, t0)
+            for t0 in range(T4, xq.shape[0]):
+                _group1(kind, pk, g, nb, xq, xd, isum, y, t0)
+    return njit(parallel=True, cache=True)(_matmul_kernel)
 
 
 @njit(cache=True)
@@ -588,12 +594,12 @@ def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True) -> 
     xq, xd, isum, nb = _quantized(p, X, m)
     nbatch = batch_tokens(p.kind, n) if batch else 0
     if m == n and Y.flags.c_contiguous:     # the kernels write through flat offsets
-        _matmul(p.data, p.kind, nb, xq, xd, isum, Y, nbatch)
+        _matmul(p.kind)(p.data, nb, xq, xd, isum, Y, nbatch)
         return
     Yp = _ybuf.get(p.rows)
     if Yp is None or Yp.shape[0] < m:
         Yp = _ybuf[p.rows] = np.empty((max(ROWS, m), p.rows), np.float32)
-    _matmul(p.data, p.kind, nb, xq, xd, isum, Yp[:m], nbatch)
+    _matmul(p.kind)(p.data, nb, xq, xd, isum, Yp[:m], nbatch)
     Y[:] = Yp[:n]
 
 
@@ -604,15 +610,20 @@ def matvec(p: Packed, x: np.ndarray, y: np.ndarray) -> None:
 QUANTIZERS = (T.Q8_0, T.Q4_K, T.Q6_K)    # _quantize_0, _quantize_k with int16 and int32 sums
 
 
-def precompile(matmul: bool = True, quantizers=QUANTIZERS) -> None:
-    """Compile (or load) _matmul and the activation quantizers of the given types, every
-    signature a model's forward calls them with, on one all-zero group (the first run shares
-    them between two processes: runner.backends.numba_cpu.FirstRun)."""
+def quantizer_types(kinds) -> set[int]:
+    """The activation quantizers (of QUANTIZERS) that the matmuls of kinds take their input from."""
+    return {T.Q8_0 if k <= Q8_0 else T.Q4_K if k == Q4_K else T.Q6_K for k in kinds}
+
+
+def precompile(kinds=(), quantizers=QUANTIZERS) -> None:
+    """Compile (or load) the matmul kernels of kinds and the activation quantizers of the
+    given types, every signature a model's forward calls them with, on one all-zero group
+    (the first run shares them between two processes: runner.backends.numba_cpu.FirstRun)."""
     for t in QUANTIZERS:
-        _, gb, _, nv = LAYOUT[KINDS[t]]
-        p = Packed(t, np.zeros((1, gb), np.uint8), 16, nv)
         if t in quantizers:
-            xq, xd, isum, nb = _quantized(p, np.zeros((1, nv), np.float32), 1)
-        if matmul:
-            xq, xd, isum = np.zeros((1, nv), np.int8), np.zeros((1, nv // 32), np.float32), np.zeros((1, nv // 4), np.int32)
-            _matmul(p.data, p.kind, 1, xq, xd, isum, np.zeros((1, 16), np.float32), 0)
+            _, gb, _, nv = LAYOUT[KINDS[t]]
+            _quantized(Packed(t, np.zeros((1, gb), np.uint8), 16, nv), np.zeros((1, nv), np.float32), 1)
+    for kind in kinds:
+        _, gb, _, nv = LAYOUT[kind]
+        xq, xd, isum = np.zeros((1, nv), np.int8), np.zeros((1, nv // 32), np.float32), np.zeros((1, nv // 4), np.int32)
+        _matmul(kind)(np.zeros((1, gb), np.uint8), 1, xq, xd, isum, np.zeros((1, 16), np.float32), 0)

@@ -19,15 +19,18 @@ from runner.backends import kernels as K
 from runner.backends import numba_cpu
 
 REPO = Path(__file__).resolve().parents[1]
-AHEAD = [quant.packed._matmul, quant.packed._quantize_0, quant.packed._quantize_k, K.rms_norm, K.silu_mul,
+AHEAD = [quant.packed._quantize_0, quant.packed._quantize_k, K.rms_norm, K.silu_mul,
          K.silu_mul_halves, K.rope_store, K.flash_attention(64), K.attention, K.flash_attention_q, K.store_kv, K.fwht]
 
 
 EMBED = {T.Q8_0: quant.legacy._dq_q8_0, T.Q4_K: quant.kquants.dequant_rows_q4_K, T.Q6_K: quant.kquants.dequant_rows_q6_K}
 
 
+MATMUL = [quant.packed._matmul(kind) for kind in range(5)]
+
+
 def signatures():
-    return {d: set(d.signatures) for d in AHEAD + list(EMBED.values())}
+    return {d: set(d.signatures) for d in AHEAD + list(EMBED.values()) + MATMUL}
 
 
 def tiny(path, weights):
@@ -46,22 +49,23 @@ def tiny(path, weights):
 @pytest.mark.parametrize("weights", [T.Q8_0, T.Q4_K, T.Q6_K])
 @pytest.mark.parametrize("flash,types", [(True, ("f16", "f16")), (False, ("f16", "f16")), (True, ("q8_0", "q4_0"))])
 def test_ahead_of_time_signatures_are_the_forwards(tmp_path, weights, flash, types):
-    numba_cpu.precompile(helper=True)
-    numba_cpu.precompile(helper=False)
+    f = open_gguf(tiny(tmp_path / "m.gguf", weights))
+    be = numba_cpu.NumbaCPU(f, config_from_gguf(f), flash=flash, cache_types=types)
+    kinds = be.packed_kinds()
+    numba_cpu.precompile(helper=False, kinds=kinds, quantizers=quant.packed.quantizer_types(kinds))
     numba_cpu.compile_attention(flash, types, 64, weights)    # the tiny model's head size, embedding type
     ahead = signatures()
     assert ahead[EMBED[weights]], "the helper did not compile the embedding's row lookup"
     attention = {(True, True): K.flash_attention(64), (True, False): K.flash_attention_q, (False, True): K.attention}
     assert ahead[attention[flash, types == ("f16", "f16")]], "the helper compiled no attention kernel"
     if quant.packed.enabled():
-        assert ahead[quant.packed._matmul] and ahead[quant.packed._quantize_0] and len(ahead[quant.packed._quantize_k]) == 2
-    f = open_gguf(tiny(tmp_path / "m.gguf", weights))
-    be = numba_cpu.NumbaCPU(f, config_from_gguf(f), flash=flash, cache_types=types)
+        assert be.packed_kinds() == {quant.packed.KINDS[weights]}
+        assert ahead[MATMUL[quant.packed.KINDS[weights]]], "no matmul kernel compiled for the model's kind"
     cache = be.make_cache(64)
     be.forward(np.arange(1, 9), cache)       # a batch
     be.forward([9], cache)                   # decode
     after = signatures()
-    grown = {d.py_func.__name__: after[d] - ahead[d] for d in AHEAD + [EMBED[weights]] if after[d] - ahead[d]}
+    grown = {d.py_func.__name__: after[d] - ahead[d] for d in signatures() if after[d] - ahead[d]}
     assert not grown, f"the forward compiled signatures the first run did not: {grown}"
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
+from gguf import GGMLQuantizationType as T
 
 import quant
 from models import derived
@@ -186,6 +187,11 @@ class NumbaCPU:
         if self.scratch is None or self.scratch.shape[1] < size:
             self.scratch = np.zeros((numba.config.NUMBA_NUM_THREADS, size), np.float32)
 
+    def packed_kinds(self) -> set[int]:
+        """The repacked kinds of this model's matrices (quant.packed), whose kernels it runs."""
+        lins = [self.output, *(w for L in self.layers for w in vars(L).values())]
+        return {w.raw.kind for w in lins if isinstance(getattr(w, "raw", None), quant.packed.Packed)}
+
     def make_cache(self, n_ctx: int, n_keep: int = 0) -> KVCache:
         c = self.cfg
         cache = KVCache(c.n_layer, c.n_head_kv, c.head_dim, n_ctx, self.windows, self.chunk, n_keep, self.cache_types)
@@ -356,13 +362,13 @@ class NumbaCPU:
 
 class FirstRun:
     """The first run on a machine compiles every kernel the model needs (numba caches them
-    after). Two processes share it: a helper started now, while the model downloads and
-    loads, compiles the kernels no model changes (norms, activations); warm() then tells it
-    the model's head size and embedding type, for RoPE, the K/V store, the attention kernel
-    and the embedding's row lookup, compiles the matmuls and the activation quantizers here,
-    waits for the helper and runs the model's own forward, which loads those from the cache
-    and compiles what is left (gemma's activation). A helper that fails costs nothing but
-    time: whatever it did not cache is compiled here."""
+    after). Two processes share it: a helper started now waits while the model downloads and
+    loads; warm() then tells it the model's head size, embedding type and repacked kinds, for
+    RoPE, the K/V store, the attention kernel, the embedding's row lookup and the legacy
+    kinds' activation quantizer, compiles the norms, the matmuls of the model's kinds, the
+    K-quant activation quantizers and gemma's GELU table here, waits for the helper and runs the model's own forward,
+    which loads those from the cache. A helper that fails costs nothing but time: whatever it
+    did not cache is compiled here."""
 
     def __init__(self, flash: bool, cache_types: tuple[str, str]):
         import subprocess
@@ -370,12 +376,17 @@ class FirstRun:
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def warm(self, be: NumbaCPU, token: int) -> None:
+        kinds = be.packed_kinds()
+        quantizers = quant.packed.quantizer_types(kinds)
+        theirs = quantizers & {T.Q8_0}      # the legacy kinds' (the shares come out about even)
         try:
-            self.helper.stdin.write(f"{be.cfg.head_dim} {be.embd.type_id}\n".encode())
+            self.helper.stdin.write(" ".join(map(str, [be.cfg.head_dim, be.embd.type_id, *theirs])).encode() + b"\n")
             self.helper.stdin.close()
         except OSError:         # the helper is gone: the forward below compiles its share
             pass
-        precompile(helper=False)
+        precompile(helper=False, kinds=kinds, quantizers=quantizers - theirs)
+        if be.cfg.act == "gelu_tanh":
+            K._gelu_table()         # gemma's activation table (its kernel compiles on first use)
         self.helper.wait()
         cache = be.make_cache(64)
         be.forward([token] * 2, cache)      # a batch's paths, then decode's
@@ -388,19 +399,18 @@ class FirstRun:
             self.helper.wait()
 
 
-def precompile(helper: bool) -> None:
+def precompile(helper: bool, kinds=(), quantizers=()) -> None:
     """A share of FirstRun's kernels, on empty or all-zero arrays of the types the forward
-    passes (tests/test_first_run.py checks they are its signatures): the helper's (norms,
-    SiLU products; then compile_attention) or this process's (the repacked matmuls and the
-    activation quantizers): each about half of the first run's compilation."""
+    passes (tests/test_first_run.py checks they are its signatures): the norms and SiLU
+    products (this process's), the matmuls of kinds, the activation quantizers of the given
+    types (quant.packed: Q8_0 for the legacy kinds, Q4_K, Q6_K)."""
     if not helper:
         z = np.zeros((1, 16), np.float32)
         K.rms_norm(z, z[0], 1e-6, z)
         K.silu_mul(z, z, z)
         K.silu_mul_halves(z, z[:, :8])
     if quant.packed.enabled():
-        Q = quant.packed.QUANTIZERS
-        quant.packed.precompile(matmul=not helper, quantizers=Q[:1] if helper else Q[1:])
+        quant.packed.precompile(kinds=kinds, quantizers=quantizers)
 
 
 def compile_attention(flash: bool, cache_types: tuple[str, str], head_dim: int, embd_type: int | None = None) -> None:
@@ -440,10 +450,11 @@ def helper_command(flash: bool, cache_types: tuple[str, str]) -> list[str]:
 
 
 def helper() -> None:
-    """FirstRun's helper process: argv FLASH KT VT; the head size and embedding type on stdin."""
+    """FirstRun's helper process: argv FLASH KT VT; on stdin the head size, the embedding type
+    and the types of the activation quantizers it compiles."""
     import sys
     flash, types = sys.argv[1] == "1", (sys.argv[2], sys.argv[3])
-    precompile(helper=True)
     told = sys.stdin.readline().split()
-    if len(told) == 2 and all(w.isdigit() for w in told):
+    if len(told) >= 2 and all(w.isdigit() for w in told):
         compile_attention(flash, types, int(told[0]), int(told[1]))
+        precompile(helper=True, quantizers={int(w) for w in told[2:]})
