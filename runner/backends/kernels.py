@@ -469,7 +469,7 @@ def _fa_tile(d, group, g, kf, vf, kpage, vpage, stride, tab, top, kpos, p1, wind
 
 @njit
 def _fa_vec(d, group, g, kf, vf, kpage, vpage, stride, tab, c0, c1, kpos, p1, window, scale, qs, accs, P, Ms, Ss, Pe):
-    """FA_VEC / FA_ONE: cells [c0, c1), 16 at a time for all the group's heads."""
+    """FA_VEC / FA_ONE: cells [c0, c1)."""
     # 16 cells at a time for all the group's heads, cell by cell across the heads:
     # a cell's K and V rows are read from memory once and from L1 for the other heads,
     # and the heads' f16 value sums are independent chains the core overlaps (one
@@ -512,16 +512,16 @@ def _fa_vec(d, group, g, kf, vf, kpage, vpage, stride, tab, c0, c1, kpos, p1, wi
 
 @functools.cache
 def flash_attention(head_dim: int):
-    """Attention in the float steps of llama.cpp's CPU flash-attention kernel, f16 cache, to
-    the bit: the kernel for one head size (a constant inside: numba prunes the other sizes'
-    paths, so the first run compiles one of them). Arguments as attention()'s (q (n_tok, n_head, d) float32, not rounded), but per
-    query the path llama.cpp takes for it: qmode FA_TILE (a batch of >= 64 tokens: q in
-    float32, 64-cell tiles, scores one fma chain over the dims, the tile's softmax with ggml's
-    exp summed in float64, values summed in float32 fma chains), FA_VEC (a smaller batch: q
-    rounded to f16, ggml_vec_dot_f16 scores, online softmax cell by cell with libm's expf
-    and the value sum kept in f16) or FA_ONE (one token: FA_VEC, but once the view has 512
-    cells or more its cells are split into nth chunks whose partial sums are merged in order,
-    as llama.cpp's nth threads do; its bits depend on nth as llama.cpp's do).
+    """Attention in the float steps of llama.cpp's CPU flash-attention kernel, f16 cache, to the
+    bit: the kernel for one head size (a constant inside: numba prunes the other sizes' paths,
+    so the first run compiles one of them). Arguments as attention()'s (q (n_tok, n_head, d)
+    float32, not rounded), but per query the path llama.cpp takes for it: qmode FA_TILE (a batch
+    of >= 64 tokens: q in float32, 64-cell tiles, scores one fma chain over the dims, the tile's
+    softmax with ggml's exp summed in float64, values summed in float32 fma chains), FA_VEC (a
+    smaller batch: q rounded to f16, ggml_vec_dot_f16 scores, online softmax cell by cell with
+    libm's expf and the value sum kept in f16) or FA_ONE (one token: FA_VEC, but once the view
+    has 512 cells or more its cells are split into nth chunks whose partial sums are merged in
+    order, as llama.cpp's nth threads do; its bits depend on nth as llama.cpp's do).
 
     The cells llama.cpp's view holds are the sequence's slots written so far, padded to a
     multiple of 256 (at least 256); for FA_ONE, those written up to the query's own token, so
