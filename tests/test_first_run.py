@@ -1,11 +1,9 @@
 """The first run's two compile processes (runner.backends.numba_cpu.FirstRun): what each
 compiles ahead must be the signatures the forward then calls, or the forward compiles them
 again and the first run is as slow as with one process."""
-import os
 import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +16,6 @@ from gguf_io.testing import _patch, header_fields, write_tiny_model
 from runner.backends import kernels as K
 from runner.backends import numba_cpu
 
-REPO = Path(__file__).resolve().parents[1]
 AHEAD = [quant.packed._quantize_0, quant.packed._quantize_k, K.rms_norm, K.silu_mul,
          K.silu_mul_halves, K.rope_store, K.flash_attention(64), K.attention, K.flash_attention_q, K.store_kv, K.fwht]
 

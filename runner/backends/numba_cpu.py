@@ -363,12 +363,12 @@ class NumbaCPU:
 class FirstRun:
     """The first run on a machine compiles every kernel the model needs (numba caches them
     after). Two processes share it: a helper started now waits while the model downloads and
-    loads; warm() then tells it the model's head size, embedding type and repacked kinds, for
-    RoPE, the K/V store, the attention kernel, the embedding's row lookup and the legacy
-    kinds' activation quantizer, compiles the norms, the matmuls of the model's kinds, the
-    K-quant activation quantizers and gemma's GELU table here, waits for the helper and runs the model's own forward,
-    which loads those from the cache. A helper that fails costs nothing but time: whatever it
-    did not cache is compiled here."""
+    loads; warm() then tells it the model's head size, its embedding type and, if it has legacy
+    kinds, their activation quantizer, which it compiles with RoPE, the K/V store and the
+    attention kernel; this process compiles the norms, the matmuls of the model's kinds, the
+    K-quant activation quantizers and gemma's GELU table, waits for the helper and runs the
+    model's own forward, which loads those from the cache. A helper that fails costs nothing but
+    time: whatever it did not cache is compiled here."""
 
     def __init__(self, flash: bool, cache_types: tuple[str, str]):
         import subprocess
