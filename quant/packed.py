@@ -615,7 +615,7 @@ def quantizer_types(kinds) -> set[int]:
     return {T.Q8_0 if k <= Q8_0 else T.Q4_K if k == Q4_K else T.Q6_K for k in kinds}
 
 
-def precompile(kinds=(), quantizers=QUANTIZERS) -> None:
+def precompile(kinds, quantizers) -> None:
     """Compile (or load) the matmul kernels of kinds and the activation quantizers of the
     given types, every signature a model's forward calls them with, on one all-zero group
     (the first run shares them between two processes: runner.backends.numba_cpu.FirstRun)."""

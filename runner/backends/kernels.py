@@ -18,7 +18,7 @@ _C = [f32(float.fromhex(h)) for h in ("0x1.8p23", "0x1.715476p+0", "0x1.7f7d1cp-
 _R, _LOG2E, _LN2LO, _LN2HI, _P5, _P4, _P3, _P2, _P1 = _C
 
 
-# Parallel kernels parallelize their prange loops only: numba would otherwise turn each
+# The attention kernels parallelize their prange loops only: numba would otherwise turn each
 # np.zeros / np.full in them into a parallel loop of its own, each compiled on the first run
 # (~0.3 s) and started at run time.
 PRANGE = dict(numpy=False, comprehension=False, setitem=False, inplace_binop=False, reduction=False, stencil=False)
