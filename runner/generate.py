@@ -78,10 +78,14 @@ def generate(model, prompt_ids: list[int], sampler: Sampler, cache, max_tokens: 
     """Feed prompt_ids (the tokens not yet in cache) and sample up to max_tokens (-1: until an
     end-of-generation token, at most one context's worth). ``history`` is what penalties see."""
     def decode(logits, history):
+        t = sampler.next(logits, history)
+        ahead = getattr(model.backend, "greedy", None)
+        if ahead is not None and sampler.plain_greedy:
+            yield from ahead(t, cache)      # the same tokens, each step started before it is needed
         while True:
-            t = sampler.next(logits, history)
             yield t
             logits = model.backend.forward([t], cache)[-1]
+            t = sampler.next(logits, history)
     return emit(model, prompt_ids, cache, decode, max_tokens, stop, history)
 
 

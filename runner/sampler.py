@@ -68,6 +68,13 @@ class Sampler:
     def greedy(self) -> bool:
         return self.cfg.temp == 0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """The argmax of the raw logits: no constraint, no penalty (a backend may pick it on its own)."""
+        c = self.cfg
+        return (self.greedy and self.constraint is None and c.repeat_penalty == 1
+                and not c.presence_penalty and not c.frequency_penalty)
+
     def dist(self, logits: np.ndarray, history=()) -> np.ndarray:
         """The probability vector (vocab,) that the next token is drawn from."""
         if self.constraint is not None:

@@ -130,6 +130,54 @@ def test_greedy_speculation_is_plain_greedy(tmp_path, head):
     assert 0 < accepted < drafted       # guesses were taken and refused: both paths ran
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_greedy_runs_a_step_ahead_with_plain_greedy_tokens(tmp_path, arch, monkeypatch):
+    """MLX.greedy starts the step that consumes a token before handing the token out (the
+    cache is one position ahead then), picks on the device the tokens the host loop picks,
+    and leaves the cache, once emit() rolls it back, as the host loop does: a second turn
+    after it gives the same tokens."""
+    m, ids, _ = _tiny(tmp_path, arch, "Q8_0")
+    prompt = ids[:6]
+    cache = m.backend.make_cache(64)
+    gen = m.backend.greedy(int(np.argmax(m.backend.forward(prompt, cache)[-1])), cache)
+    ahead = []
+    for i in range(12):
+        ahead.append(next(gen))
+        assert cache.n_past == len(prompt) + i + 1
+    cache = m.backend.make_cache(64)
+    host = [int(np.argmax(m.backend.forward(prompt, cache)[-1]))]
+    for _ in range(11):
+        host.append(int(np.argmax(m.backend.forward([host[-1]], cache)[-1])))
+    assert ahead == host
+
+    def two_turns():
+        cache, out = m.backend.make_cache(64), []
+        for turn in (prompt, None):
+            turn = turn or [out[-1][-1], *ids[6:9]]     # the last reply token is fed first, then the user's
+            out.append([e.id for e in generate(m, turn, Sampler(SamplerConfig(temp=0.0)), cache, 7)
+                        if isinstance(e, Token)])
+            assert cache.n_past == (len(prompt) + 6 if len(out) == 1 else len(prompt) + 6 + 4 + 6)
+        return out
+    overlapped = two_turns()
+    monkeypatch.setattr(Sampler, "plain_greedy", property(lambda s: False))     # the host loop
+    assert two_turns() == overlapped
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_fused_steps_equal_unfused(rows):
+    """mx.compile'd activation rounding and GLU activations give the unfused ops' bits (decode
+    runs them fused on the CPU, prompts unfused: a row must not depend on which)."""
+    from runner.backends import mlx_backend as M
+    rng = np.random.default_rng(rows)
+    g = rng.standard_normal((rows, 1024)).astype(np.float32) * rng.uniform(0.01, 30, (rows, 1)).astype(np.float32)
+    g[0, :256] = 0      # an all-zero block
+    g, u = mx.array(g), mx.array(rng.standard_normal((rows, 1024)).astype(np.float32))
+    for fn, args in ((M._q8_0, (g,)), (M._q8_k, (g,)), (M._gelu_mul, (g, u)), (M._silu_mul, (g, u))):
+        plain, fused = fn(*args), mx.compile(fn)(*args)
+        assert mx.array_equal(plain, fused), fn.__name__
+        assert mx.array_equal(plain, M._fused(fn)(*args)), fn.__name__
+
+
 def test_cli_backend_flag(tmp_path):
     path = write_tiny_model(tmp_path / "t.gguf", seed=2, n_ctx_train=1024)
     run = lambda *a: CliRunner().invoke(cli.app, [str(x) for x in a], catch_exceptions=False)

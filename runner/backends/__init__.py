@@ -11,6 +11,12 @@ over its own ops. Two entry points:
   PagedKV; at most ``max_tokens`` tokens.
 
 Both return fresh float32 numpy arrays (never a buffer the next call overwrites).
+
+A backend that computes asynchronously (MLX) may also offer ``greedy(first, cache)``: an
+endless generator of first and the greedy tokens after it, equal to forward() and argmax
+one token at a time, with each step started before the token it consumes is handed out
+(the cache one token ahead: emit() rolls it back). generate() uses it for plain greedy
+decoding (no penalty, no constraint) where it exists.
 """
 from __future__ import annotations
 

@@ -4,10 +4,12 @@ Apple Silicon (on Linux, mlx[cpu] runs it as a correctness vehicle: its referenc
 
 Weights are converted once at load by mlx_weights (every GGUF type exactly, no f16
 fallback): a copy out of the mmap, which unified memory makes the place they would go
-anyway. The embedding's rows are read from the mmap per token (gguf.quants' own
-dequantization); a tied output head is converted as the other matrices. K and V are float16, as llama.cpp's
-default cache, in mx arrays that grow with the slots written; the slots' bookkeeping (the
-ring, n_keep, rollback, pages and tables) is runner/kv_cache.py's, shared with numba.
+anyway. The embedding is converted too (an untied one costs its converted bytes: 0.5b +102
+MB, 1.5b +175 MB) and its rows dequantized on the device, so that greedy() can feed a token
+picked on the device into the next step without waiting for it (mlx-lm's overlap). K and V
+are float16, as llama.cpp's default cache, in mx arrays that grow with the slots written;
+the slots' bookkeeping (the ring, n_keep, rollback, pages and tables) is
+runner/kv_cache.py's, shared with numba.
 
 Arithmetic: float32 activations rounded as llama.cpp rounds them where it does (a matmul's
 input to its weights' dot type, q to f16, its f16 GELU table), then MLX's own matmul and
@@ -29,6 +31,7 @@ and only bit-exact integer sums in llama.cpp's order would remove it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -86,6 +89,7 @@ class _State:
     b: Batch
     positions: mx.array
     written: list = field(default_factory=list)     # K/V arrays this forward wrote
+    lazy: bool = False      # b.tokens is an mx array (greedy()): the logits stay on the device
 
 
 # llama.cpp rounds a matmul's input to its weights' "vec_dot_type" before the dot products
@@ -96,21 +100,70 @@ _ACT = {**{t: "q8_0" for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)},
         **{t: "q8_K" for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)}, T.F16: "f16", T.BF16: "bf16"}
 
 
+def _fused(fn):
+    """fn with its elementwise steps fused by mx.compile where that pays: on a GPU always (one
+    kernel instead of one per op: mlx-lm compiles its activations so), on the CPU for up to 16
+    rows only (mlx[cpu] here, the Q8_0 rounding of a 4864-wide row: 51 -> 33 us compiled, of 64
+    rows 456 -> 1415 us: its fused CPU kernels are slower on long inputs). The same bits either
+    way (tests/test_mlx_backend.py)."""
+    compiled = mx.compile(fn)
+
+    def call(x: mx.array, *rest):
+        gpu = mx.default_device().type == mx.DeviceType.gpu
+        return compiled(x, *rest) if gpu or x.shape[0] <= 16 else fn(x, *rest)
+    return call
+
+
+def _q8_0(x: mx.array) -> mx.array:     # per 32: d = f16(amax / 127), q = round_half_even(x * 127 / amax)
+    b = x.reshape(-1, 32)
+    amax = mx.abs(b).max(axis=1, keepdims=True)
+    inv = mx.where(amax > 0, 127 / amax, 0)
+    return (mx.round(b * inv) * (amax / 127).astype(mx.float16).astype(mx.float32)).reshape(x.shape)
+
+
+def _q8_k(x: mx.array) -> mx.array:     # per 256: m = the first value of largest magnitude, iscale = -127 / m
+    b = x.reshape(-1, 256)
+    m = mx.take_along_axis(b, mx.argmax(mx.abs(b), axis=1, keepdims=True), axis=1)
+    iscale = mx.where(m != 0, -127 / m, 0)
+    return (mx.minimum(mx.round(iscale * b), 127) * mx.where(m != 0, 1 / iscale, 0)).reshape(x.shape)
+
+
+_ROUND = {"q8_0": _fused(_q8_0), "q8_K": _fused(_q8_k),
+          "f16": _fused(lambda x: x.astype(mx.float16).astype(mx.float32)),
+          "bf16": _fused(lambda x: x.astype(mx.bfloat16).astype(mx.float32))}
+
+
 def round_act(x: mx.array, kind: str | None) -> mx.array:
     """x (n, cols) float32 as llama.cpp's activation quantizer leaves it, dequantized."""
-    if kind == "q8_0":      # per 32: d = f16(amax / 127), q = round_half_even(x * 127 / amax)
-        b = x.reshape(-1, 32)
-        amax = mx.abs(b).max(axis=1, keepdims=True)
-        inv = mx.where(amax > 0, 127 / amax, 0)
-        return (mx.round(b * inv) * (amax / 127).astype(mx.float16).astype(mx.float32)).reshape(x.shape)
-    if kind == "q8_K":      # per 256: m = the first value of largest magnitude, iscale = -127 / m
-        b = x.reshape(-1, 256)
-        m = mx.take_along_axis(b, mx.argmax(mx.abs(b), axis=1, keepdims=True), axis=1)
-        iscale = mx.where(m != 0, -127 / m, 0)
-        return (mx.minimum(mx.round(iscale * b), 127) * mx.where(m != 0, 1 / iscale, 0)).reshape(x.shape)
-    if kind in ("f16", "bf16"):
-        return x.astype(mx.float16 if kind == "f16" else mx.bfloat16).astype(mx.float32)
-    return x
+    return x if kind is None else _ROUND[kind](x)
+
+
+_SQRT_2_PI, _GELU_C = mx.array(np.float32(np.sqrt(2 / np.pi))), mx.array(np.float32(0.044715))
+
+
+def _gelu_mul(g: mx.array, u: mx.array) -> mx.array:
+    """llama.cpp's GELU (an f16 table over f16-rounded inputs within +-10) of g, times u."""
+    f16 = lambda t: t.astype(mx.float16).astype(mx.float32)
+    r = f16(g)
+    a = f16(0.5 * r * (1 + mx.tanh(_SQRT_2_PI * r * (1 + _GELU_C * r * r))))
+    return mx.where(g <= -10, 0, mx.where(g >= 10, g, a)) * u
+
+
+def _silu_mul(g: mx.array, u: mx.array) -> mx.array:
+    return g * mx.sigmoid(g) * u
+
+
+_ACTIVATION = {"gelu_tanh": _fused(_gelu_mul), "silu": _fused(_silu_mul)}
+
+
+def _linears(x: mx.array, *ws: _Linear) -> list[mx.array]:
+    """x through each of ws, x rounded once per activation type they need."""
+    rounded = {}
+    for W in ws:
+        kind = _ACT.get(W.w.type_id)
+        if kind not in rounded:
+            rounded[kind] = round_act(x, kind)
+    return [W.on(rounded[_ACT.get(W.w.type_id)]) for W in ws]
 
 
 @dataclass
@@ -119,7 +172,11 @@ class _Linear:
     bias: mx.array | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = mlx_weights.matmul(round_act(x, _ACT.get(self.w.type_id)), self.w)
+        return self.on(round_act(x, _ACT.get(self.w.type_id)))
+
+    def on(self, r: mx.array) -> mx.array:
+        """The output for an input already rounded to this weight's activation type."""
+        y = mlx_weights.matmul(r, self.w)
         return y if self.bias is None else y + self.bias
 
 
@@ -132,10 +189,13 @@ class _Head:
 
 
 def _rows(w: mlx_weights.MlxWeight, idx) -> mlx_weights.MlxWeight:
-    """The rows idx (a slice or an index array) of a converted weight."""
-    take = (lambda a: a[idx]) if isinstance(idx, slice) else (lambda a: mx.take(a, mx.array(idx), axis=0))
+    """The rows idx (a slice, or an index array: numpy or mx) of a converted weight."""
+    if isinstance(idx, slice):
+        take, n = (lambda a: a[idx]), len(range(w.n_rows)[idx])
+    else:
+        ix = idx if isinstance(idx, mx.array) else mx.array(idx)
+        take, n = (lambda a: mx.take(a, ix, axis=0)), ix.size
     terms = tuple(mlx_weights.QTerm(take(t.w), take(t.scales), take(t.biases), t.group_size, t.bits) for t in w.terms)
-    n = len(range(w.n_rows)[idx]) if isinstance(idx, slice) else len(idx)
     return mlx_weights.MlxWeight(w.type_id, n, w.n_cols, None if w.plain is None else take(w.plain), terms,
                                  None if w.mins16 is None else take(w.mins16))
 
@@ -150,7 +210,7 @@ class MLX:
             raise GGUFError("the MLX backend keeps K and V as float16: -ctk/-ctv q8_0/q4_0 need --backend numba")
         self.cfg, self.chunk, self.max_tokens = cfg, chunk, max_tokens or chunk + 64
         self.flash, self.cache_types = flash, ("f16", "f16")
-        mats = [n for n, t in f.tensors.items() if len(t.dims) == 2 and (n != "token_embd.weight" or cfg.tied_output)]
+        mats = [n for n, t in f.tensors.items() if len(t.dims) == 2]
         total, done = sum(f.tensors[n].nbytes for n in mats), 0
 
         def vec(name):
@@ -174,8 +234,9 @@ class MLX:
         self.layers: list[Layer] = graph.build_layers(f, cfg, lin, vec)
         self.output_norm = vec("output_norm.weight")
         self.output = lin("token_embd.weight" if cfg.tied_output else "output.weight")
-        t = f.tensors["token_embd.weight"]
-        self._embd = (f.raw("token_embd.weight"), T(t.type_id))
+        # the embedding on the device too, so that a token sampled there feeds the next step
+        # without a round trip (greedy()); converted exactly like the matrices
+        self._embd = self.output.w if cfg.tied_output else lin("token_embd.weight").w
         # rope: MLX takes each pair's wavelength divisor, ggml's 1 / theta_scale^i (times the
         # llama 3 factor); theta_scale^i as ggml's running product
         ff = vec("rope_freqs.weight")
@@ -208,20 +269,18 @@ class MLX:
     # ---- the ops graph.run calls: mx arrays, evaluated once per forward (head_out / finish)
 
     def begin(self, b: Batch) -> _State:
-        return _State(b, mx.array(b.positions.astype(np.int32)))
+        return _State(b, mx.array(b.positions.astype(np.int32)), lazy=isinstance(b.tokens, mx.array))
 
     def embed(self, st: _State) -> mx.array:
-        raw, t = self._embd
-        x = gguf_dequantize(raw[st.b.tokens], t).astype(np.float32)
-        if self.cfg.embed_scale != 1.0:
-            x *= np.float32(self.cfg.embed_scale)
-        return mx.array(x)
+        tokens = st.b.tokens if st.lazy else mx.array(np.asarray(st.b.tokens, np.int32))
+        x = mlx_weights.dequantize(_rows(self._embd, tokens))   # gguf.quants' float32 values
+        return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
 
     def norm(self, st: _State, x: mx.array, w: mx.array, inplace: bool = False) -> mx.array:
         return mx.fast.rms_norm(x, w, self.cfg.norm_eps)
 
     def qkv(self, st: _State, L: Layer, h: mx.array):
-        return L.wq(h), L.wk(h), L.wv(h)
+        return _linears(h, L.wq, L.wk, L.wv)
 
     def head_norm(self, st: _State, t: mx.array, w: mx.array) -> mx.array:
         hd = self.cfg.head_dim
@@ -274,21 +333,36 @@ class MLX:
         return x + o
 
     def ffn(self, st: _State, L: Layer, h: mx.array) -> mx.array:
-        g, u = L.gate(h), L.up(h)
-        if self.cfg.act == "gelu_tanh":     # llama.cpp's: an f16 table over f16-rounded inputs within +-10
-            f16 = lambda t: t.astype(mx.float16).astype(mx.float32)
-            r = f16(g)
-            a = f16(0.5 * r * (1 + mx.tanh(np.float32(np.sqrt(2 / np.pi)) * r * (1 + np.float32(0.044715) * r * r))))
-            a = mx.where(g <= -10, 0, mx.where(g >= 10, g, a))
-        else:
-            a = g * mx.sigmoid(g)
-        return L.down(a * u)
+        g, u = _linears(h, L.gate, L.up)
+        return L.down(_ACTIVATION[self.cfg.act](g, u))
 
-    def head_out(self, st: _State, x: mx.array, hidden: bool) -> np.ndarray:
+    def head_out(self, st: _State, x: mx.array, hidden: bool) -> np.ndarray | mx.array:
         h = mx.fast.rms_norm(x, self.output_norm, self.cfg.norm_eps)
         out = h if hidden else self.output(h)
+        if st.lazy:     # started, not awaited
+            mx.async_eval(out, *(s.a for s in st.written))
+            return out
         self.finish(st, out)
         return np.array(out, dtype=np.float32)
+
+    def greedy(self, first: int, cache: KVCache) -> Iterator[int]:
+        """first, then the tokens forward() and argmax would pick after it, with mlx-lm's overlap:
+        the step that consumes a token is built and started (mx.async_eval, the argmax on the
+        device too) before that token is handed out, so the device computes while the caller
+        prints it and builds the next step. The cache runs one token ahead of the tokens handed
+        out: emit() rolls it back at the end, as after speculation."""
+        def step(y: mx.array) -> mx.array:
+            positions, kv = cache.claim(1)
+            b = Batch(y, positions, np.zeros(1, np.int64), [(0, 1, False)], np.zeros(1, np.int64))
+            nxt = mx.argmax(self.run(b, kv), axis=-1)
+            mx.async_eval(nxt)
+            return nxt
+
+        y = mx.array([first], mx.uint32)
+        while True:
+            nxt = step(y)
+            yield int(y.item())
+            y = nxt
 
     def finish(self, st: _State, *more) -> None:
         # the cache's arrays are evaluated with every forward, so their graphs never chain
