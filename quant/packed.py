@@ -530,8 +530,9 @@ def _quantize_0(X, m, xq, xd, xs, s32, sums, per4):
         if per4:
             for j in range(sums.shape[1]):
                 sums[i, j] = np.int32(xq[i, 4 * j]) + np.int32(xq[i, 4 * j + 1]) + np.int32(xq[i, 4 * j + 2]) + np.int32(xq[i, 4 * j + 3])
-        else:
-            sums[i, :s32.shape[0]] = s32
+        else:       # a loop: a slice assignment from an array compiled numba's string
+            for j in range(s32.shape[0]):     # formatting for its shape error (2.4 s)
+                sums[i, j] = s32[j]
     for i in range(X.shape[0], m):
         xq[i], xd[i], sums[i] = 0, 0, 0
 

@@ -17,7 +17,7 @@ from runner.backends import kernels as K
 from runner.backends import numba_cpu
 
 AHEAD = [quant.packed._quantize_0, quant.packed._quantize_k, K.rms_norm, K.silu_mul,
-         K.silu_mul_halves, K.rope_store, K.flash_attention(64), K.attention, K.flash_attention_q, K.store_kv, K.fwht]
+         K.silu_mul_halves, K.rope_store, K.flash_attention(64, False), K.flash_attention(64, True), K.attention, K.flash_attention_q, K.store_kv, K.fwht]
 
 
 EMBED = {T.Q8_0: quant.legacy._dq_q8_0, T.Q4_K: quant.kquants.dequant_rows_q4_K, T.Q6_K: quant.kquants.dequant_rows_q6_K}
@@ -30,11 +30,11 @@ def signatures():
     return {d: set(d.signatures) for d in AHEAD + list(EMBED.values()) + MATMUL}
 
 
-def tiny(path, weights):
-    """A tiny qwen2 of Q8_0 matrices, relabelled as weights (gguf-py cannot quantize to K
+def tiny(path, weights, arch="qwen2"):
+    """A tiny model of Q8_0 matrices, relabelled as weights (gguf-py cannot quantize to K
     types; their blocks are smaller, so they stay inside the file; random bits suffice to see
     which kernels run)."""
-    p = write_tiny_model(path, "qwen2", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, weight_type=T.Q8_0)
+    p = write_tiny_model(path, arch, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, weight_type=T.Q8_0)
     if weights != T.Q8_0:
         _, dims, types = header_fields(p)
         for name, field in types.items():
@@ -43,17 +43,21 @@ def tiny(path, weights):
     return p
 
 
-@pytest.mark.parametrize("weights", [T.Q8_0, T.Q4_K, T.Q6_K])
-@pytest.mark.parametrize("flash,types", [(True, ("f16", "f16")), (False, ("f16", "f16")), (True, ("q8_0", "q4_0"))])
-def test_ahead_of_time_signatures_are_the_forwards(tmp_path, weights, flash, types):
-    f = open_gguf(tiny(tmp_path / "m.gguf", weights))
+CASES = [("qwen2", w, flash, types) for w in (T.Q8_0, T.Q4_K, T.Q6_K)
+         for flash, types in ((True, ("f16", "f16")), (False, ("f16", "f16")), (True, ("q8_0", "q4_0")))]
+
+
+@pytest.mark.parametrize("arch,weights,flash,types", CASES + [("gemma3", T.Q8_0, True, ("f16", "f16"))])
+def test_ahead_of_time_signatures_are_the_forwards(tmp_path, arch, weights, flash, types):
+    f = open_gguf(tiny(tmp_path / "m.gguf", weights, arch))
     be = numba_cpu.NumbaCPU(f, config_from_gguf(f), flash=flash, cache_types=types)
     kinds = be.packed_kinds()
-    numba_cpu.precompile(helper=False, kinds=kinds, quantizers=quant.packed.quantizer_types(kinds))
+    numba_cpu.precompile(helper=False, kinds=kinds, quantizers=quant.packed.quantizer_types(kinds),
+                         silu=be.cfg.act == "silu")      # gemma3's GELU: no SiLU kernels ahead
     numba_cpu.compile_attention(flash, types, 64, weights)    # the tiny model's head size, embedding type
     ahead = signatures()
     assert ahead[EMBED[weights]], "the helper did not compile the embedding's row lookup"
-    attention = {(True, True): K.flash_attention(64), (True, False): K.flash_attention_q, (False, True): K.attention}
+    attention = {(True, True): K.flash_attention(64, False), (True, False): K.flash_attention_q, (False, True): K.attention}
     assert ahead[attention[flash, types == ("f16", "f16")]], "the helper compiled no attention kernel"
     if quant.packed.enabled():
         assert be.packed_kinds() == {quant.packed.KINDS[weights]}

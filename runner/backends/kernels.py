@@ -424,7 +424,8 @@ FA_ONE, FA_VEC, FA_TILE = 0, 1, 2
 # flash_attention's two paths for one work item, compiled as functions of their own and called
 # from its parallel loop: numba's parallel passes copy and rewrite a prange body whole, and
 # with these inlined they took most of the kernel's first-run compilation. d arrives as a
-# literal (flash_attention(head_dim)), so numba prunes the other head sizes' paths.
+# literal (flash_attention(head_dim, tile)), so numba prunes the other head sizes' paths;
+# each kernel calls one of the two (compiling both with the kernel cost 2.5 s more).
 @njit
 def _fa_tile(d, group, g, kf, vf, kpage, vpage, stride, tab, top, kpos, p1, window, scale, qs, accs, P, Ms, Ss):
     """FA_TILE: each of the group's heads through 64-cell tiles of cells [0, top)."""
@@ -511,11 +512,13 @@ def _fa_vec(d, group, g, kf, vf, kpage, vpage, stride, tab, c0, c1, kpos, p1, wi
 
 
 @functools.cache
-def flash_attention(head_dim: int):
+def flash_attention(head_dim: int, tile: bool):
     """Attention in the float steps of llama.cpp's CPU flash-attention kernel, f16 cache, to the
-    bit: the kernel for one head size (a constant inside: numba prunes the other sizes' paths,
-    so the first run compiles one of them). Arguments as attention()'s (q (n_tok, n_head, d)
-    float32, not rounded), but per query the path llama.cpp takes for it: qmode FA_TILE (a batch
+    bit: the kernel for one head size and either the FA_TILE queries (tile) or the others (both
+    constants inside: numba prunes the other sizes' and path's code, so a first run that
+    meets only short batches compiles one path of one size). Arguments as attention()'s (q
+    (n_tok, n_head, d) float32, not rounded); queries of the other path are left as they are.
+    Per query the path llama.cpp takes for it: qmode FA_TILE (a batch
     of >= 64 tokens: q in float32, 64-cell tiles, scores one fma chain over the dims, the tile's
     softmax with ggml's exp summed in float64, values summed in float32 fma chains), FA_VEC (a
     smaller batch: q rounded to f16, ggml_vec_dot_f16 scores, online softmax cell by cell with
@@ -543,6 +546,8 @@ def flash_attention(head_dim: int):
         pidx = np.full(n_tok, -1, np.int64) # its rows of part (split queries only)
         n_split, n_items = 0, 0
         for t in range(n_tok):
+            if (qmode[t] == FA_TILE) != tile:
+                continue
             tab = tables[qseq[t]]
             used = 0        # cells a decode of this token alone would have written: not later tokens'
             for s in range(seq_slots[qseq[t]]):
@@ -561,6 +566,8 @@ def flash_attention(head_dim: int):
         it = np.empty((n_items, 3), np.int64)
         i = 0
         for t in range(n_tok):
+            if (qmode[t] == FA_TILE) != tile:
+                continue
             for g in range(n_kv):
                 for c in range(nch[t]):
                     it[i, 0], it[i, 1], it[i, 2] = t, g, c
@@ -577,7 +584,6 @@ def flash_attention(head_dim: int):
             qs, accs, P = buf[:gd], buf[gd:2 * gd], buf[2 * gd:o1]
             Ms, Ss, Pe = buf[o1:o1 + group], buf[o1 + group:o1 + 2 * group], buf[o1 + 2 * group:o1 + 18 * group]
             p1 = qpos[t]
-            tile = qmode[t] == FA_TILE
             for e in range(group):
                 h = g * group + e
                 for j in range(d):

@@ -75,6 +75,7 @@ class _State:
     segs: list
     qbatch: np.ndarray          # per token: its segment is a batch (the non-flash path's steps)
     qmode: np.ndarray           # per token: flash attention's path
+    paths: tuple = (True, False)  # (some token's path is not FA_TILE, some token's is)
 
 
 class _Head:
@@ -237,7 +238,8 @@ class NumbaCPU:
             qbatch[a:e] = bt
             if bt:      # by the size of the llama.cpp batch the run belongs to (its cold run's)
                 qmode[a:e] = K.FA_TILE if (cold[0] if cold else e - a) >= 64 else K.FA_VEC
-        return _State(b, n, segs, qbatch, qmode)
+        tile = qmode == K.FA_TILE
+        return _State(b, n, segs, qbatch, qmode, (not tile.all(), bool(tile.any())))
 
     def embed(self, st: _State) -> np.ndarray:
         x = self.x[:st.n]
@@ -287,8 +289,11 @@ class NumbaCPU:
             K.attention(q3, b.positions, b.seq, st.qbatch, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
                         kq_scale, a3, self.scratch, numba.get_num_threads(), self._kv_codes[0])
         elif plain:
-            K.flash_attention(c.head_dim)(q3, b.positions, b.seq, st.qmode, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots,
-                                           L.window, kq_scale, a3, self.scratch, numba.get_num_threads())
+            for tile in (False, True):      # each path's kernel over its queries (most batches: one)
+                if st.paths[tile]:
+                    K.flash_attention(c.head_dim, tile)(q3, b.positions, b.seq, st.qmode, lk.k, lk.v, lk.pos, lk.tables,
+                                                        lk.seq_slots, L.window, kq_scale, a3, self.scratch,
+                                                        numba.get_num_threads())
         else:
             K.flash_attention_q(q3, b.positions, b.seq, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
                                 kq_scale, a3, self.scratch, *self._kv_codes)
@@ -384,7 +389,7 @@ class FirstRun:
             self.helper.stdin.close()
         except OSError:         # the helper is gone: the forward below compiles its share
             pass
-        precompile(helper=False, kinds=kinds, quantizers=quantizers - theirs)
+        precompile(helper=False, kinds=kinds, quantizers=quantizers - theirs, silu=be.cfg.act == "silu")
         if be.cfg.act == "gelu_tanh":
             K._gelu_table()         # gemma's activation table (its kernel compiles on first use)
         self.helper.wait()
@@ -399,16 +404,17 @@ class FirstRun:
             self.helper.wait()
 
 
-def precompile(helper: bool, kinds=(), quantizers=()) -> None:
+def precompile(helper: bool, kinds=(), quantizers=(), silu: bool = True) -> None:
     """A share of FirstRun's kernels, on empty or all-zero arrays of the types the forward
-    passes (tests/test_first_run.py checks they are its signatures): the norms and SiLU
-    products (this process's), the matmuls of kinds, the activation quantizers of the given
-    types (quant.packed: Q8_0 for the legacy kinds, Q4_K, Q6_K)."""
+    passes (tests/test_first_run.py checks they are its signatures): the norms and, for a
+    SiLU model, its products (this process's), the matmuls of kinds, the activation
+    quantizers of the given types (quant.packed: Q8_0 for the legacy kinds, Q4_K, Q6_K)."""
     if not helper:
         z = np.zeros((1, 16), np.float32)
         K.rms_norm(z, z[0], 1e-6, z)
-        K.silu_mul(z, z, z)
-        K.silu_mul_halves(z, z[:, :8])
+        if silu:
+            K.silu_mul(z, z, z)
+            K.silu_mul_halves(z, z[:, :8])
     if quant.packed.enabled():
         quant.packed.precompile(kinds=kinds, quantizers=quantizers)
 
