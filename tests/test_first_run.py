@@ -52,9 +52,9 @@ def test_ahead_of_time_signatures_are_the_forwards(tmp_path, arch, weights, flas
     f = open_gguf(tiny(tmp_path / "m.gguf", weights, arch))
     be = numba_cpu.NumbaCPU(f, config_from_gguf(f), flash=flash, cache_types=types)
     kinds = be.packed_kinds()
-    numba_cpu.precompile(helper=False, kinds=kinds, quantizers=quant.packed.quantizer_types(kinds),
-                         silu=be.cfg.act == "silu")      # gemma3's GELU: no SiLU kernels ahead
+    numba_cpu.precompile(helper=False, kinds=kinds, silu=be.cfg.act == "silu")   # gemma3's GELU: no SiLU kernels
     numba_cpu.compile_attention(flash, types, 64, weights)    # the tiny model's head size, embedding type
+    numba_cpu.precompile(helper=True, quantizers=quant.packed.quantizer_types(kinds))
     ahead = signatures()
     assert ahead[EMBED[weights]], "the helper did not compile the embedding's row lookup"
     attention = {(True, True): K.flash_attention(64, False), (True, False): K.flash_attention_q, (False, True): K.attention}
@@ -62,12 +62,19 @@ def test_ahead_of_time_signatures_are_the_forwards(tmp_path, arch, weights, flas
     if quant.packed.enabled():
         assert be.packed_kinds() == {quant.packed.KINDS[weights]}
         assert ahead[MATMUL[quant.packed.KINDS[weights]]], "no matmul kernel compiled for the model's kind"
-    cache = be.make_cache(64)
+    cache = be.make_cache(128)
     be.forward(np.arange(1, 9), cache)       # a batch
     be.forward([9], cache)                   # decode
     after = signatures()
     grown = {d.py_func.__name__: after[d] - ahead[d] for d in signatures() if after[d] - ahead[d]}
     assert not grown, f"the forward compiled signatures the first run did not: {grown}"
+    # what the helper compiles after its share: the path of batches of 64 tokens and more
+    numba_cpu.compile_attention(flash, types, 64, ns=(64,))
+    ahead = signatures()
+    be.forward(np.arange(10, 80), cache)
+    after = signatures()
+    grown = {d.py_func.__name__: after[d] - ahead[d] for d in signatures() if after[d] - ahead[d]}
+    assert not grown, f"a long batch compiled signatures the helper did not: {grown}"
 
 
 def test_helper_process_runs_from_any_directory(tmp_path):
@@ -77,7 +84,7 @@ def test_helper_process_runs_from_any_directory(tmp_path):
     (tmp_path / "runner" / "__init__.py").write_text("raise ImportError('the wrong runner')\n")
     r = subprocess.run(numba_cpu.helper_command(True, ("q8_0", "q8_0")), cwd=tmp_path, input="128 8\n",
                        capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and r.stdout == "ready\n", r.stderr
 
 
 def test_close_stops_a_running_helper(monkeypatch):
@@ -88,3 +95,21 @@ def test_close_stops_a_running_helper(monkeypatch):
     assert run.helper.poll() is None
     run.close()
     assert run.helper.poll() is not None
+
+
+def test_helper_outlives_warm_to_finish_the_long_batches(tmp_path, monkeypatch):
+    """Once the helper says its share is done, warm() runs the forward and close() leaves the
+    helper to compile the long batches' attention on its own."""
+    import subprocess as sp
+    real = sp.Popen
+    code = "import sys, time; sys.stdin.readline(); print('ready', flush=True); time.sleep(60)"
+    monkeypatch.setattr(sp, "Popen", lambda cmd, **kw: real([sys.executable, "-c", code], **kw))
+    f = open_gguf(tiny(tmp_path / "m.gguf", T.Q8_0))
+    run = numba_cpu.FirstRun(True, ("f16", "f16"))
+    try:
+        run.warm(numba_cpu.NumbaCPU(f, config_from_gguf(f)), 1)
+        run.close()
+        assert run.ready and run.helper.poll() is None
+    finally:
+        run.helper.kill()
+        run.helper.wait()

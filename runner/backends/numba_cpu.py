@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
-from gguf import GGMLQuantizationType as T
 
 import quant
 from models import derived
@@ -368,38 +367,42 @@ class NumbaCPU:
 class FirstRun:
     """The first run on a machine compiles every kernel the model needs (numba caches them
     after). Two processes share it: a helper started now waits while the model downloads and
-    loads; warm() then tells it the model's head size, its embedding type and, if it has legacy
-    kinds, their activation quantizer, which it compiles with RoPE, the K/V store and the
-    attention kernel; this process compiles the norms, the matmuls of the model's kinds, the
-    K-quant activation quantizers and gemma's GELU table, waits for the helper and runs the
-    model's own forward, which loads those from the cache. A helper that fails costs nothing but
-    time: whatever it did not cache is compiled here."""
+    loads; warm() then tells it the model's head size, its embedding type and its activation
+    quantizers, which it compiles with RoPE, the K/V store and the attention kernel of short
+    batches and decode; this process compiles the norms, the matmuls of the model's kinds and
+    gemma's GELU table, waits until the helper says it is done and runs the model's own
+    forward, which loads those from the cache. The helper then goes on alone to compile flash
+    attention's path for batches of 64 tokens and more (~7 s: a first long prompt would
+    otherwise wait for it) and exits. A helper that fails costs nothing but time: whatever it
+    did not cache is compiled where it is first needed."""
 
     def __init__(self, flash: bool, cache_types: tuple[str, str]):
         import subprocess
         self.helper = subprocess.Popen(helper_command(flash, cache_types), stdin=subprocess.PIPE,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.ready = False
 
     def warm(self, be: NumbaCPU, token: int) -> None:
         kinds = be.packed_kinds()
         quantizers = quant.packed.quantizer_types(kinds)
-        theirs = quantizers & {T.Q8_0}      # the legacy kinds' (the shares come out about even)
         try:
-            self.helper.stdin.write(" ".join(map(str, [be.cfg.head_dim, be.embd.type_id, *theirs])).encode() + b"\n")
+            self.helper.stdin.write(" ".join(map(str, [be.cfg.head_dim, be.embd.type_id, *quantizers])).encode() + b"\n")
             self.helper.stdin.close()
         except OSError:         # the helper is gone: the forward below compiles its share
             pass
-        precompile(helper=False, kinds=kinds, quantizers=quantizers - theirs, silu=be.cfg.act == "silu")
+        precompile(helper=False, kinds=kinds, silu=be.cfg.act == "silu")
         if be.cfg.act == "gelu_tanh":
             K._gelu_table()         # gemma's activation table (its kernel compiles on first use)
-        self.helper.wait()
+        self.helper.stdout.readline()       # its share is cached ("" if it died: compiled below)
+        self.ready = True
         cache = be.make_cache(64)
         be.forward([token] * 2, cache)      # a batch's paths, then decode's
         be.forward([token], cache)
 
     def close(self) -> None:
-        """Stop the helper if the load failed before warm()."""
-        if self.helper.poll() is None:
+        """Stop the helper if the load failed before it was done with its share (after that it
+        finishes the long batches' attention on its own)."""
+        if not self.ready and self.helper.poll() is None:
             self.helper.kill()
             self.helper.wait()
 
@@ -407,8 +410,9 @@ class FirstRun:
 def precompile(helper: bool, kinds=(), quantizers=(), silu: bool = True) -> None:
     """A share of FirstRun's kernels, on empty or all-zero arrays of the types the forward
     passes (tests/test_first_run.py checks they are its signatures): the norms and, for a
-    SiLU model, its products (this process's), the matmuls of kinds, the activation
-    quantizers of the given types (quant.packed: Q8_0 for the legacy kinds, Q4_K, Q6_K)."""
+    SiLU model, its products (the parent's), the matmuls of kinds, the activation
+    quantizers of the given types (quant.packed: Q8_0 for the legacy kinds, Q4_K, Q6_K; the
+    helper's)."""
     if not helper:
         z = np.zeros((1, 16), np.float32)
         K.rms_norm(z, z[0], 1e-6, z)
@@ -419,10 +423,12 @@ def precompile(helper: bool, kinds=(), quantizers=(), silu: bool = True) -> None
         quant.packed.precompile(kinds=kinds, quantizers=quantizers)
 
 
-def compile_attention(flash: bool, cache_types: tuple[str, str], head_dim: int, embd_type: int | None = None) -> None:
+def compile_attention(flash: bool, cache_types: tuple[str, str], head_dim: int, embd_type: int | None = None,
+                      ns=(2, 1)) -> None:
     """FirstRun's helper: RoPE, the K/V store and the attention kernel of the parent's path,
-    cache types and head size, on two tokens then one of a tiny float model; the row lookup
-    of the embedding's type."""
+    cache types and head size, on batches of ns tokens (two, then one: a short batch's path and
+    decode's; 64: flash attention's FA_TILE path) of a tiny float model; the row lookup of the
+    embedding's type."""
     import tempfile
     from pathlib import Path
 
@@ -432,8 +438,8 @@ def compile_attention(flash: bool, cache_types: tuple[str, str], head_dim: int, 
     with tempfile.TemporaryDirectory(prefix="numbat-warm-") as d:
         f = open_gguf(write_tiny_model(Path(d) / "tiny.gguf", "qwen2", n_embd=128, n_head=2, n_head_kv=1, head_dim=head_dim))
         be = NumbaCPU(f, config_from_gguf(f), flash=flash, cache_types=cache_types)
-        cache = be.make_cache(64)
-        for n in (2, 1):
+        cache = be.make_cache(128)
+        for n in ns:
             positions, kv = cache.claim(n)
             st = be.begin(Batch(np.arange(1, n + 1), positions, np.zeros(n, np.int64), [(0, n, n > 1)], None))
             be.attend(st, be.layers[0], kv[0], be.q[:n], be.k[:n], be.v[:n])
@@ -464,3 +470,6 @@ def helper() -> None:
     if len(told) >= 2 and all(w.isdigit() for w in told):
         compile_attention(flash, types, int(told[0]), int(told[1]))
         precompile(helper=True, quantizers={int(w) for w in told[2:]})
+        print("ready", flush=True)
+        if flash and types == ("f16", "f16"):   # the other kernels serve every batch size
+            compile_attention(flash, types, int(told[0]), ns=(64,))
