@@ -1,6 +1,7 @@
 """The first run's two compile processes (runner.backends.numba_cpu.FirstRun): what each
 compiles ahead must be the signatures the forward then calls, or the forward compiles them
 again and the first run is as slow as with one process."""
+import json
 import struct
 import subprocess
 import sys
@@ -52,9 +53,9 @@ def test_ahead_of_time_signatures_are_the_forwards(tmp_path, arch, weights, flas
     f = open_gguf(tiny(tmp_path / "m.gguf", weights, arch))
     be = numba_cpu.NumbaCPU(f, config_from_gguf(f), flash=flash, cache_types=types)
     kinds = be.packed_kinds()
-    numba_cpu.precompile(helper=False, kinds=kinds, silu=be.cfg.act == "silu")   # gemma3's GELU: no SiLU kernels
-    numba_cpu.compile_attention(flash, types, 64, weights)    # the tiny model's head size, embedding type
-    numba_cpu.precompile(helper=True, quantizers=quant.packed.quantizer_types(kinds))
+    # both processes' jobs (gemma3's GELU: no SiLU kernels ahead); the tiny model's head size 64
+    for _, job in numba_cpu.jobs(flash, types, 64, int(weights), kinds, silu=be.cfg.act == "silu"):
+        job()
     ahead = signatures()
     assert ahead[EMBED[weights]], "the helper did not compile the embedding's row lookup"
     attention = {(True, True): K.flash_attention(64, False), (True, False): K.flash_attention_q, (False, True): K.attention}
@@ -82,7 +83,8 @@ def test_helper_process_runs_from_any_directory(tmp_path):
     from a directory holding a `runner` package of its own (`python -m` imported that one)."""
     (tmp_path / "runner").mkdir()
     (tmp_path / "runner" / "__init__.py").write_text("raise ImportError('the wrong runner')\n")
-    r = subprocess.run(numba_cpu.helper_command(True, ("q8_0", "q8_0")), cwd=tmp_path, input="128 8\n",
+    told = json.dumps({"claims": str(tmp_path), "head_dim": 128, "embd_type": 8, "kinds": [], "silu": True})
+    r = subprocess.run(numba_cpu.helper_command(True, ("q8_0", "q8_0")), cwd=tmp_path, input=told + "\n",
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout == "ready\n", r.stderr
 
@@ -113,3 +115,16 @@ def test_helper_outlives_warm_to_finish_the_long_batches(tmp_path, monkeypatch):
     finally:
         run.helper.kill()
         run.helper.wait()
+
+
+def test_jobs_are_shared_not_repeated(tmp_path):
+    """Each job runs in exactly one of the processes that go down the list (a claim file per
+    job), whatever the other has taken."""
+    ran = {"a": [], "b": []}
+    todo = lambda who: [(name, lambda name=name: ran[who].append(name)) for name in ("x", "y", "z")]
+    (tmp_path / "y").touch()                      # taken by the other process already
+    numba_cpu.run_jobs(todo("a"), str(tmp_path))
+    numba_cpu.run_jobs(todo("b"), str(tmp_path))
+    assert ran == {"a": ["x", "z"], "b": []}
+    numba_cpu.run_jobs(todo("b"), str(tmp_path / "gone"))     # no claims directory: run them all
+    assert ran["b"] == ["x", "y", "z"]

@@ -367,68 +367,94 @@ class NumbaCPU:
 class FirstRun:
     """The first run on a machine compiles every kernel the model needs (numba caches them
     after). Two processes share it: a helper started now waits while the model downloads and
-    loads; warm() then tells it the model's head size, its embedding type and its activation
-    quantizers, which it compiles with RoPE, the K/V store and the attention kernel of short
-    batches and decode; this process compiles the norms, the matmuls of the model's kinds and
-    gemma's GELU table, waits until the helper says it is done and runs the model's own
-    forward, which loads those from the cache. The helper then goes on alone to compile flash
-    attention's path for batches of 64 tokens and more (~7 s: a first long prompt would
-    otherwise wait for it) and exits. A helper that fails costs nothing but time: whatever it
-    did not cache is compiled where it is first needed."""
+    loads; warm() then tells it what the model needs (head size, embedding type, weight kinds,
+    activation), and both go down the same list of compile jobs, largest first, each taking
+    the next one the other has not claimed (a file created exclusively per job), so their
+    shares come out even for any model. When the helper has no job left it says so; this
+    process then runs the model's own forward, which loads everything from the cache. The
+    helper goes on alone to compile flash attention's path for batches of 64 tokens and more
+    (~7 s: a first long prompt would otherwise wait for it) and exits. A helper that fails
+    costs nothing but time: whatever it did not cache is compiled where it is first needed."""
 
     def __init__(self, flash: bool, cache_types: tuple[str, str]):
         import subprocess
+        self.flash, self.cache_types = flash, cache_types
         self.helper = subprocess.Popen(helper_command(flash, cache_types), stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.ready = False
 
     def warm(self, be: NumbaCPU, token: int) -> None:
-        kinds = be.packed_kinds()
-        quantizers = quant.packed.quantizer_types(kinds)
+        import json
+        import shutil
+        import tempfile
+        need = dict(head_dim=int(be.cfg.head_dim), embd_type=int(be.embd.type_id),
+                    kinds=sorted(int(k) for k in be.packed_kinds()), silu=be.cfg.act == "silu")
+        claims = tempfile.mkdtemp(prefix="numbat-first-run-")
         try:
-            self.helper.stdin.write(" ".join(map(str, [be.cfg.head_dim, be.embd.type_id, *quantizers])).encode() + b"\n")
-            self.helper.stdin.close()
-        except OSError:         # the helper is gone: the forward below compiles its share
-            pass
-        precompile(helper=False, kinds=kinds, silu=be.cfg.act == "silu")
-        if be.cfg.act == "gelu_tanh":
-            K._gelu_table()         # gemma's activation table (its kernel compiles on first use)
-        self.helper.stdout.readline()       # its share is cached ("" if it died: compiled below)
-        self.ready = True
+            try:
+                self.helper.stdin.write(json.dumps({"claims": claims, **need}).encode() + b"\n")
+                self.helper.stdin.close()
+            except OSError:         # the helper is gone: this process takes every job
+                pass
+            run_jobs(jobs(self.flash, self.cache_types, **need), claims)
+            if be.cfg.act == "gelu_tanh":
+                K._gelu_table()     # gemma's activation table (its kernel compiles on first use)
+            self.helper.stdout.readline()   # its jobs are cached ("" if it died: compiled below)
+            self.ready = True
+        finally:
+            shutil.rmtree(claims, ignore_errors=True)
         cache = be.make_cache(64)
         be.forward([token] * 2, cache)      # a batch's paths, then decode's
         be.forward([token], cache)
 
     def close(self) -> None:
-        """Stop the helper if the load failed before it was done with its share (after that it
+        """Stop the helper if the load failed before it was done with its jobs (after that it
         finishes the long batches' attention on its own)."""
         if not self.ready and self.helper.poll() is None:
             self.helper.kill()
             self.helper.wait()
 
 
-def precompile(helper: bool, kinds=(), quantizers=(), silu: bool = True) -> None:
-    """A share of FirstRun's kernels, on empty or all-zero arrays of the types the forward
-    passes (tests/test_first_run.py checks they are its signatures): the norms and, for a
-    SiLU model, its products (the parent's), the matmuls of kinds, the activation
-    quantizers of the given types (quant.packed: Q8_0 for the legacy kinds, Q4_K, Q6_K; the
-    helper's)."""
-    if not helper:
-        z = np.zeros((1, 16), np.float32)
-        K.rms_norm(z, z[0], 1e-6, z)
-        if silu:
-            K.silu_mul(z, z, z)
-            K.silu_mul_halves(z, z[:, :8])
+def jobs(flash: bool, cache_types: tuple[str, str], head_dim: int, embd_type: int, kinds, silu: bool) -> list:
+    """FirstRun's compile jobs for a model, (name, function), about the largest first, on empty
+    or all-zero arrays of the types the forward passes (tests/test_first_run.py checks they
+    are its signatures): RoPE, the K/V store and attention for short batches and decode (~6 s),
+    the matmul of each weight kind (1.3-3.5 s), the activation quantizers (quant.packed: Q8_0
+    for the legacy kinds, Q4_K, Q6_K), the embedding's row lookup, the norm and, for a SiLU
+    model, its products."""
+    z = np.zeros((1, 16), np.float32)
+    out = [("attention", lambda: compile_attention(flash, cache_types, head_dim))]
     if quant.packed.enabled():
-        quant.packed.precompile(kinds=kinds, quantizers=quantizers)
+        out += [(f"matmul-{k}", lambda k=k: quant.packed.precompile(kinds=(k,), quantizers=()))
+                for k in sorted(kinds, reverse=True)]
+        out += [(f"quantizer-{t}", lambda t=t: quant.packed.precompile(kinds=(), quantizers={t}))
+                for t in sorted(quant.packed.quantizer_types(kinds))]
+    if embd_type in quant.QTYPES:
+        q = quant.qtype(embd_type)
+        out.append(("embedding", lambda: q.dequant_rows(np.zeros((1, q.type_size), np.uint8),
+                                                        np.zeros((1, q.block_size), np.float32))))
+    out.append(("norm", lambda: K.rms_norm(z, z[0], 1e-6, z)))
+    if silu:
+        out += [("silu", lambda: K.silu_mul(z, z, z)), ("silu-halves", lambda: K.silu_mul_halves(z, z[:, :8]))]
+    return out
 
 
-def compile_attention(flash: bool, cache_types: tuple[str, str], head_dim: int, embd_type: int | None = None,
-                      ns=(2, 1)) -> None:
-    """FirstRun's helper: RoPE, the K/V store and the attention kernel of the parent's path,
-    cache types and head size, on batches of ns tokens (two, then one: a short batch's path and
-    decode's; 64: flash attention's FA_TILE path) of a tiny float model; the row lookup of the
-    embedding's type."""
+def run_jobs(todo: list, claims: str) -> None:
+    """Run each job of todo that no other process has claimed in the directory claims."""
+    for name, fn in todo:
+        try:
+            os.close(os.open(os.path.join(claims, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        except OSError:         # no claims directory: run it (at worst both processes do)
+            pass
+        fn()
+
+
+def compile_attention(flash: bool, cache_types: tuple[str, str], head_dim: int, ns=(2, 1)) -> None:
+    """RoPE, the K/V store and the attention kernel of a path, cache types and head size, on
+    batches of ns tokens (two, then one: a short batch's path and decode's; 64: flash
+    attention's FA_TILE path) of a tiny float model."""
     import tempfile
     from pathlib import Path
 
@@ -443,9 +469,6 @@ def compile_attention(flash: bool, cache_types: tuple[str, str], head_dim: int, 
             positions, kv = cache.claim(n)
             st = be.begin(Batch(np.arange(1, n + 1), positions, np.zeros(n, np.int64), [(0, n, n > 1)], None))
             be.attend(st, be.layers[0], kv[0], be.q[:n], be.k[:n], be.v[:n])
-    if embd_type is not None and embd_type in quant.QTYPES:
-        q = quant.qtype(embd_type)
-        q.dequant_rows(np.zeros((1, q.type_size), np.uint8), np.zeros((1, q.block_size), np.float32))
 
 
 def helper_command(flash: bool, cache_types: tuple[str, str]) -> list[str]:
@@ -462,14 +485,18 @@ def helper_command(flash: bool, cache_types: tuple[str, str]) -> list[str]:
 
 
 def helper() -> None:
-    """FirstRun's helper process: argv FLASH KT VT; on stdin the head size, the embedding type
-    and the types of the activation quantizers it compiles."""
+    """FirstRun's helper process: argv FLASH KT VT; on stdin one JSON line, the claims
+    directory and what the model needs (jobs()'s arguments)."""
+    import json
     import sys
     flash, types = sys.argv[1] == "1", (sys.argv[2], sys.argv[3])
-    told = sys.stdin.readline().split()
-    if len(told) >= 2 and all(w.isdigit() for w in told):
-        compile_attention(flash, types, int(told[0]), int(told[1]))
-        precompile(helper=True, quantizers={int(w) for w in told[2:]})
-        print("ready", flush=True)
-        if flash and types == ("f16", "f16"):   # the other kernels serve every batch size
-            compile_attention(flash, types, int(told[0]), ns=(64,))
+    try:
+        told = json.loads(sys.stdin.readline())
+        need = {k: told[k] for k in ("head_dim", "embd_type", "kinds", "silu")}
+        claims = str(told["claims"])
+    except (ValueError, KeyError, TypeError):   # the parent is gone or failed before telling
+        return
+    run_jobs(jobs(flash, types, **need), claims)
+    print("ready", flush=True)
+    if flash and types == ("f16", "f16"):       # the other attention kernels serve every batch size
+        compile_attention(flash, types, need["head_dim"], ns=(64,))
