@@ -158,12 +158,13 @@ _ACTIVATION = {"gelu_tanh": _fused(_gelu_mul), "silu": _fused(_silu_mul)}
 
 def _linears(x: mx.array, *ws: _Linear) -> list[mx.array]:
     """x through each of ws, x rounded once per activation type they need."""
-    rounded = {}
+    rounded, out = {}, []
     for W in ws:
         kind = _ACT.get(W.w.type_id)
         if kind not in rounded:
             rounded[kind] = round_act(x, kind)
-    return [W.on(rounded[_ACT.get(W.w.type_id)]) for W in ws]
+        out.append(W.on(rounded[kind]))
+    return out
 
 
 @dataclass
