@@ -18,7 +18,7 @@ from runner.backends import kernels as K
 from runner.backends import numba_cpu
 
 AHEAD = [quant.packed._quantize_0, quant.packed._quantize_k, K.rms_norm, K.silu_mul,
-         K.silu_mul_halves, K.rope_store, K.flash_attention(64, False), K.flash_attention(64, True), K.attention, K.flash_attention_q, K.store_kv, K.fwht]
+         K.silu_mul_halves, K._gelu_mul, K.rope_store, K.flash_attention(64, False), K.flash_attention(64, True), K.attention, K.flash_attention_q, K.store_kv, K.fwht]
 
 
 EMBED = {T.Q8_0: quant.legacy._dq_q8_0, T.Q4_K: quant.kquants.dequant_rows_q4_K, T.Q6_K: quant.kquants.dequant_rows_q6_K}

@@ -41,3 +41,26 @@ def test_unpacked_paths_match_llama_cpp(tmp_path, monkeypatch, fixture_data, arc
     cache = m.backend.make_cache(64)
     ours = np.concatenate([m.backend.forward([t], cache, logits="last").copy() for t in fx["ids"].tolist()])
     check(ours, fx[wtype], f"{arch} {wtype} token-by-token, {path}")
+
+
+def test_gelu_mul_is_the_f16_table_lookup():
+    """gemma's GELU kernel against the lookup written in numpy: the gate rounded to f16 and
+    looked up in the table, 0 at or below -10, the gate itself at or above 10; every f16
+    value, both neighbours of each in float32, the edges, and strided column views."""
+    from runner.backends import kernels as K
+    rng = np.random.default_rng(0)
+    every = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    edges = np.array([-10, 10, -9.999999, 9.999999, -0.0, 0.0, np.inf, -np.inf, 65520, 1e-8, -6.1e-5], np.float32)
+    g = np.concatenate([every, edges, (rng.standard_normal(50000) * 4).astype(np.float32)])
+    g = g[np.isfinite(g) | np.isinf(g)]
+    with np.errstate(all="ignore"):
+        g = np.concatenate([g, np.nextafter(g, np.float32(np.inf)), np.nextafter(g, np.float32(-np.inf))])
+        gu = np.stack([g, rng.standard_normal(g.size).astype(np.float32)], axis=1).reshape(1, -1)
+        gate, up = gu[:, 0::2], gu[:, 1::2]         # strided views, as the fused gate/up halves
+        v = K._gelu_table()[gate.astype(np.float16).view(np.uint16)]
+        want = np.where(gate <= -10, np.float32(0), np.where(gate >= 10, gate, v)) * up
+        got = np.empty_like(want)
+        K.gelu_tanh_mul(gate, up, got)
+    nan = np.isnan(want)
+    assert np.array_equal(nan, np.isnan(got))
+    assert np.array_equal(want[~nan].view(np.uint32), got[~nan].view(np.uint32))

@@ -377,9 +377,17 @@ def _gelu_table() -> np.ndarray:
 def gelu_tanh_mul(gate, up, out):
     """out = gelu(gate) * up as llama.cpp computes it: the gate rounded to f16 and looked up
     in the f16 GELU table, except below -10 (0) and above 10 (identity)."""
-    v = _gelu_table()[gate.astype(np.float16).view(np.uint16)]
-    v = np.where(gate <= -10, np.float32(0), np.where(gate >= 10, gate, v))
-    np.multiply(v, up, out=out)
+    _gelu_mul(gate, up, out, _gelu_table())
+
+
+@njit(cache=True)
+def _gelu_mul(gate, up, out, table):
+    # one pass (the numpy form's six passes and temporaries took 20 us for a 2048-wide row)
+    for i in range(gate.shape[0]):
+        for j in range(gate.shape[1]):
+            x = gate[i, j]
+            v = f32(0) if x <= f32(-10) else x if x >= f32(10) else table[f2h(x)]
+            out[i, j] = v * up[i, j]
 
 
 _T64, _T128, _T256 = (scores16(d, 1) for d in (64, 128, 256))

@@ -397,8 +397,6 @@ class FirstRun:
             except OSError:         # the helper is gone: this process takes every job
                 pass
             run_jobs(jobs(self.flash, self.cache_types, **need), claims)
-            if be.cfg.act == "gelu_tanh":
-                K._gelu_table()     # gemma's activation table (its kernel compiles on first use)
             self.helper.stdout.readline()   # its jobs are cached ("" if it died: compiled below)
             self.ready = True
         finally:
@@ -420,9 +418,9 @@ def jobs(flash: bool, cache_types: tuple[str, str], head_dim: int, embd_type: in
     or all-zero arrays of the types the forward passes (tests/test_first_run.py checks they
     are its signatures): RoPE, the K/V store and attention for short batches and decode (~6 s),
     the matmul of each weight kind (1.3-3.5 s), the activation quantizers (quant.packed: Q8_0
-    for the legacy kinds, Q4_K, Q6_K), the embedding's row lookup, the norm and, for a SiLU
-    model, its products."""
-    z = np.zeros((1, 16), np.float32)
+    for the legacy kinds, Q4_K, Q6_K), the embedding's row lookup, the norm and the
+    activation's products (SiLU or GELU)."""
+    z, z2 = np.zeros((1, 16), np.float32), np.zeros((2, 16), np.float32)    # z2's halves: strided views
     out = [("attention", lambda: compile_attention(flash, cache_types, head_dim))]
     if quant.packed.enabled():
         out += [(f"matmul-{k}", lambda k=k: quant.packed.precompile(kinds=(k,), quantizers=()))
@@ -436,6 +434,9 @@ def jobs(flash: bool, cache_types: tuple[str, str], head_dim: int, embd_type: in
     out.append(("norm", lambda: K.rms_norm(z, z[0], 1e-6, z)))
     if silu:
         out += [("silu", lambda: K.silu_mul(z, z, z)), ("silu-halves", lambda: K.silu_mul_halves(z, z[:, :8]))]
+    else:       # GELU: its table, then the kernel on whole arrays and on a fused row's halves
+        out += [("gelu", lambda: K.gelu_tanh_mul(z, z, z)),
+                ("gelu-halves", lambda: K.gelu_tanh_mul(z2[:, :8], z2[:, 8:], z2[:, :8].copy()))]
     return out
 
 
