@@ -32,6 +32,15 @@ sys.path.insert(0, str(ROOT))
 FIXTURES = ROOT / "tests" / "fixtures"
 
 
+def fixtures(model: str) -> tuple[dict, dict]:
+    """llama.cpp's fixtures of a model: -fa off's and -fa on's."""
+    stem = "model_" + model.replace(":", "-")
+    try:
+        return tuple(json.loads((FIXTURES / f"{stem}{s}.json").read_text(encoding="utf-8")) for s in ("", "_fa"))
+    except FileNotFoundError:
+        sys.exit(f"no llama.cpp fixtures for {model} in {FIXTURES}")
+
+
 def first_divergence(ours: list[int], ref: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
 
@@ -49,11 +58,7 @@ def main() -> None:
         return combine(a.model, a.combine)
     from runner.model import load
     from runner.perplexity import perplexity
-    stem = "model_" + a.model.replace(":", "-")
-    try:
-        off, on = (json.loads((FIXTURES / f"{stem}{s}.json").read_text(encoding="utf-8")) for s in ("", "_fa"))
-    except FileNotFoundError:
-        sys.exit(f"no llama.cpp fixtures for {a.model} in {FIXTURES}")
+    off, on = fixtures(a.model)
     m = load(a.model, backend="mlx")
     ids = off["text_ids"][:a.tokens] if a.tokens else off["text_ids"]
     t = time.perf_counter()
@@ -93,17 +98,15 @@ def main() -> None:
 
 def combine(model: str, files: list[str]) -> None:
     """The whole text's perplexity and top-1 agreement from pieces that cover every chunk once."""
-    stem = "model_" + model.replace(":", "-")
-    fx = {lbl: json.loads((FIXTURES / f"{stem}{s}.json").read_text(encoding="utf-8")) for lbl, s in (("-fa off", ""), ("-fa on", "_fa"))}
+    from runner.perplexity import ppl_and_error
+    fx = dict(zip(("-fa off", "-fa on"), fixtures(model)))
     parts = sorted((np.load(f) for f in files), key=lambda p: int(p["c0"]))
     n_chunks = len(fx["-fa off"]["text_ids"]) // 512
     if [(int(p["c0"]), int(p["c1"])) for p in parts] != list(zip([0] + [int(p["c1"]) for p in parts[:-1]], [int(p["c1"]) for p in parts])) \
             or int(parts[-1]["c1"]) != n_chunks:
         sys.exit(f"the pieces must cover chunks 0..{n_chunks - 1} once, in runs that meet")
     nll, top1 = np.concatenate([p["nll"] for p in parts]), np.concatenate([p["top1"] for p in parts])
-    mean = nll.mean()
-    ppl = float(np.exp(mean))
-    err = float(np.sqrt(((nll ** 2).mean() - mean ** 2) / (len(nll) - 1)) * ppl)
+    ppl, err = ppl_and_error(nll)
     print(f"{model} --backend mlx, the whole text ({n_chunks} chunks, {len(nll)} scored): PPL {ppl:.4f} +/- {err:.4f}")
     for label, f in fx.items():
         ref = f["perplexity"]

@@ -60,8 +60,13 @@ def perplexity(model, ids: list[int], n_ctx: int = 512,
         if progress:
             progress(c + 1, n_chunks, math.exp(np.concatenate(nlls).mean()))
     nll = np.concatenate(nlls)
+    ppl, err = ppl_and_error(nll)
+    return PerplexityResult(ppl, err, n_chunks, len(nll), nll, np.concatenate(tops))
+
+
+def ppl_and_error(nll: np.ndarray) -> tuple[float, float]:
+    """exp(mean NLL) and its error (the standard error of the mean NLL, times PPL)."""
     mean = nll.mean()
     var = (nll ** 2).mean() - mean ** 2
     ppl = math.exp(mean)
-    err = math.sqrt(var / (len(nll) - 1)) * ppl if var > 0 and len(nll) > 1 else 0.0
-    return PerplexityResult(ppl, err, n_chunks, len(nll), nll, np.concatenate(tops))
+    return ppl, math.sqrt(var / (len(nll) - 1)) * ppl if var > 0 and len(nll) > 1 else 0.0

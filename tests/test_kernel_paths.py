@@ -52,7 +52,6 @@ def test_gelu_mul_is_the_f16_table_lookup():
     every = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
     edges = np.array([-10, 10, -9.999999, 9.999999, -0.0, 0.0, np.inf, -np.inf, 65520, 1e-8, -6.1e-5], np.float32)
     g = np.concatenate([every, edges, (rng.standard_normal(50000) * 4).astype(np.float32)])
-    g = g[np.isfinite(g) | np.isinf(g)]
     with np.errstate(all="ignore"):
         g = np.concatenate([g, np.nextafter(g, np.float32(np.inf)), np.nextafter(g, np.float32(-np.inf))])
         gu = np.stack([g, rng.standard_normal(g.size).astype(np.float32)], axis=1).reshape(1, -1)
