@@ -583,16 +583,21 @@ def batch_tokens(kind: int, n: int) -> int:
     return n - n % LSTEP    # the same order either way: LSTEP at a time only for speed
 
 
-def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True) -> None:
+def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True, rounded: dict | None = None) -> None:
     """Y (T, rows) for X (T, cols), with the float steps of llama.cpp's kernels for a batch of
     T (batch) or, for every row, those of a single token (decode; speculative verification).
     Above one token the kernels take four at a time, each group of weights read once; T
-    that is not a multiple of four is padded with zero tokens (cheaper than more reads)."""
+    that is not a multiple of four is padded with zero tokens (cheaper than more reads).
+    rounded: a dict shared by the calls that multiply the same X (Q, K and V; gate and up),
+    so that X is quantized once per kind for them."""
     if X.shape[1] != p.cols:
         raise ValueError(f"{T(p.type_id).name}: {p.cols} inputs expected, got {X.shape[1]}")
     n = X.shape[0]
     m = n if n == 1 else -(-n // 4) * 4
-    xq, xd, isum, nb = _quantized(p, X, m)
+    key = ("packed", p.kind)
+    xq, xd, isum, nb = rounded[key] if rounded is not None and key in rounded else _quantized(p, X, m)
+    if rounded is not None:     # views of this kind's buffers, untouched until X changes
+        rounded[key] = xq, xd, isum, nb
     nbatch = batch_tokens(p.kind, n) if batch else 0
     if m == n and Y.flags.c_contiguous:     # the kernels write through flat offsets
         _matmul(p.kind)(p.data, nb, xq, xd, isum, Y, nbatch)

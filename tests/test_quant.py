@@ -59,6 +59,31 @@ def act_reference(type_id, x):
     return (q.astype(np.float64) * d).reshape(x.shape)
 
 
+def test_q8_0_activation_blocks_are_llamas_bit_for_bit():
+    """quantize_q8_0 (llama.cpp's quantize_row_q8_0/q8_1 on x86) to the bit: q = rint(x*127/amax),
+    d = f16(amax/127), s = f16(d*sum q), over blocks whose scales are normal, subnormal or
+    beyond f16 (d*s overflows to inf) and all-zero blocks."""
+    from quant.act import quantize_q8_0
+    rng = np.random.default_rng(7)
+    scales = np.array([1.0, 1e-3, 3e-6, 1e-9, 0.0, 300.0, 6e4, 2.5e5], np.float32)
+    x = (rng.standard_normal((64, 32)) * np.resize(scales, 64)[:, None]).astype(np.float32).ravel()
+    xq, xd = np.zeros(x.size, np.int8), np.zeros(64, np.float32)
+    xs, isum = np.zeros(64, np.float32), np.zeros(64, np.int32)
+    quantize_q8_0(x, xq, xd, xs, isum)
+    b = x.reshape(64, 32)
+    amax = np.abs(b).max(axis=1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, 0).astype(np.float32)
+    q = np.rint(b * inv[:, None]).astype(np.int32)
+    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(xq.reshape(64, 32), q)
+        np.testing.assert_array_equal(isum, q.sum(axis=1))
+        np.testing.assert_array_equal(xd, d.astype(np.float16).astype(np.float32))
+        np.testing.assert_array_equal(xs, (d * q.sum(axis=1).astype(np.float32)).astype(np.float16).astype(np.float32))
+    assert np.isinf(xs).any() and (xd[np.resize(scales, 64) == 3e-6] < 6.2e-5).all()   # the ranges were reached
+
+
 # With the activations rounded as llama.cpp rounds them, the kernels compute the same sums; what
 # is left is float32 accumulation order, far below 1e-4 of the scale of the terms (|W| @ |x|).
 TOL = 1e-4

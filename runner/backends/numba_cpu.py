@@ -42,7 +42,7 @@ class Linear:
         rows = None if packed else quant.qtype(self.type_id).matvec_rows
         kernel = quant.cpu.linear(self.type_id, packed, X.shape[0], batch, rows is not None)
         if kernel == "packed":
-            quant.packed.matmul_rows(self.raw, X, Y, batch)
+            quant.packed.matmul_rows(self.raw, X, Y, batch, rounded)
         elif kernel in ("rows", "matvec"):      # one token's steps for every row
             for s in range(0, X.shape[0], SMALL_BATCH):
                 Xs, Ys = X[s:s + SMALL_BATCH], Y[s:s + SMALL_BATCH]
