@@ -66,7 +66,8 @@ CATALOG: dict[str, Entry] = {e.name: e for e in [
 
 
 def home() -> Path:
-    return Path(os.environ.get("NUMBAT_HOME", Path.home() / ".cache" / "numbat"))
+    # an empty NUMBAT_HOME is unset, as shells leave it (not the current directory)
+    return Path(os.environ.get("NUMBAT_HOME") or Path.home() / ".cache" / "numbat")
 
 
 def model_path(name: str) -> Path:

@@ -365,3 +365,10 @@ def test_pull_verify_cli(home, monkeypatch, capsys):
     code, out, err = main("pull", "--verify", NAME)
     lines = err.strip().splitlines()
     assert code == 1 and len(lines) == 1 and "changed after download" in lines[0], err
+
+
+def test_an_empty_numbat_home_is_the_default(monkeypatch):
+    """NUMBAT_HOME= (set but empty) means the default, not the current directory, where the
+    models would otherwise land."""
+    monkeypatch.setenv("NUMBAT_HOME", "")
+    assert catalog.home() == Path.home() / ".cache" / "numbat"
