@@ -177,7 +177,9 @@ class NumbaCPU:
         self.x, self.h, self.o = z(C, c.n_embd), z(C, c.n_embd), z(C, c.n_embd)
         self.q, self.attn = z(C, qd), z(C, qd)
         self.k, self.v = z(C, kd), z(C, kd)
-        self.g, self.u = z(C, c.n_ff), z(C, c.n_ff)
+        # the activation's output apart from its inputs: written in place, LLVM's overlap check
+        # fails and the SiLU loop runs scalar (2.75 against 0.28 ms for 512 x 4864 values)
+        self.g, self.u, self.act = z(C, c.n_ff), z(C, c.n_ff), z(C, c.n_ff)
         self.qkv_buf, self.gu_buf = z(SMALL_BATCH, qd + 2 * kd), z(SMALL_BATCH, 2 * c.n_ff)   # fused outputs
         self.scratch = None             # attention's per-thread scores and lanes, sized by the cache
 
@@ -360,8 +362,9 @@ class NumbaCPU:
             hr = {}
             L.gate(h, g, hr, batch)
             L.up(h, u, hr, batch)
-            (K.gelu_tanh_mul if gelu else K.silu_mul)(g, u, g)
-            L.down(g, o, batch=batch)
+            a = self.act[:len(h)]
+            (K.gelu_tanh_mul if gelu else K.silu_mul)(g, u, a)
+            L.down(a, o, batch=batch)
 
 
 class FirstRun:
