@@ -172,13 +172,44 @@ def add16(typingctx, out, oi, a, ai, b, bi):
     return types.none(out, oi, a, ai, b, bi), codegen
 
 
-def scores16(d: int, lanes: int):
+def pv_tile(d: int):
+    """An intrinsic pv(v, vo, w, wo, acc, ao): acc[ao:ao+d] += the 64 rows v[vo + c*d : +d]
+    (f16 bits) times w[wo + c], c = 0..63 in order, one fma per value as flash attention's
+    tile adds them (float32 chains over the cells); the d/16 vector chains are kept in
+    registers and interleaved cell by cell, where the loop over a row kept them in memory."""
+    @intrinsic
+    def pv(typingctx, v, vo, w, wo, acc, ao):
+        def codegen(context, builder, sig, args):
+            av, avo, aw, awo, aacc, aao = args
+            v16, i32, i64 = ir.VectorType(ir.FloatType(), 16), ir.IntType(32), avo.type
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
+            wdata = context.make_array(sig.args[2])(context, builder, aw).data
+            ptrs = [_vec_ptr(context, builder, sig.args[4], aacc, builder.add(aao, ir.Constant(aao.type, 16 * b))) for b in range(d // 16)]
+            accs = [builder.load(p, align=4) for p in ptrs]
+            for c in range(64):
+                x = builder.load(builder.gep(wdata, [builder.add(awo, ir.Constant(awo.type, c))]))
+                ws = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), x, ir.Constant(i32, 0)),
+                                            ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+                for b in range(d // 16):
+                    row = _load16(context, builder, sig.args[0], av, builder.add(avo, ir.Constant(i64, c * d + 16 * b)))
+                    accs[b] = builder.call(fma, [row, ws, accs[b]])
+            for p, a in zip(ptrs, accs):
+                builder.store(a, p, align=4)
+            return context.get_dummy_value()
+        return types.none(v, vo, w, wo, acc, ao), codegen
+    return pv
+
+
+def scores16(d: int, lanes: int, keys: int = 16):
     """An intrinsic scores(kf, ko, cap, qf, qo, out, oo): the dot products of one query
     qf[qo:qo+d] with 16 keys, key i's dim j at kf[ko + j*cap + i], summed as llama.cpp's f16
     dots sum (see runner.backends.kernels.attention): lanes = 16, one fma chain per lane j % 16
     (tinyBLAS); lanes = 64, chains j % 64 folded (0 + 2) + (1 + 3) (ggml_vec_dot_f16); then
     _mm512_reduce_add_ps's tree; lanes = 1, one chain over the dims in order (simd_gemm). 16 keys at once: each value below is a vector over the keys,
-    and every chain stays in registers. Written to out[oo:oo+16]."""
+    and every chain stays in registers. Written to out[oo:oo+16]. With lanes = 1, keys = 64:
+    keys ko .. ko+63 into out[oo:oo+64], their four chains interleaved dim by dim, so that the
+    core overlaps them (one chain of d dependent fmas is latency-bound); each score's steps
+    are unchanged."""
     @intrinsic
     def scores(typingctx, kf, ko, cap, qf, qo, out, oo):
         def codegen(context, builder, sig, args):
@@ -187,8 +218,9 @@ def scores16(d: int, lanes: int):
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
             qdata = context.make_array(sig.args[3])(context, builder, aqf).data
 
-            def key(j):
-                return _load16(context, builder, sig.args[0], akf, builder.add(ako, builder.mul(acap, ir.Constant(acap.type, j))))
+            def key(j, kb=0):
+                o = builder.add(ako, builder.mul(acap, ir.Constant(acap.type, j)))
+                return _load16(context, builder, sig.args[0], akf, builder.add(o, ir.Constant(acap.type, 16 * kb)) if kb else o)
 
             def qsplat(j):
                 x = builder.load(builder.gep(qdata, [builder.add(aqo, ir.Constant(aqo.type, j))]))
@@ -203,6 +235,15 @@ def scores16(d: int, lanes: int):
                     acc = builder.call(fma, [key(j), qsplat(j), acc])
                 return acc
 
+            if lanes == 1 and keys > 16:    # the tile's blocks of 16 keys, chains side by side
+                accs = [None] * (keys // 16)
+                for j in range(d):
+                    qj = qsplat(j)
+                    for kb in range(keys // 16):
+                        accs[kb] = builder.fmul(key(j, kb), qj) if j == 0 else builder.call(fma, [key(j, kb), qj, accs[kb]])
+                for kb, a in enumerate(accs):
+                    builder.store(a, _vec_ptr(context, builder, sig.args[5], aout, builder.add(aoo, ir.Constant(aoo.type, 16 * kb))), align=4)
+                return context.get_dummy_value()
             if lanes == 1:      # one chain over the dims in order: ggml's simd_gemm (flash attention's tiles)
                 x = [chain(0)]
             elif lanes == 16:

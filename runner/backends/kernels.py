@@ -10,7 +10,7 @@ import numpy as np
 from numba import get_thread_id, njit, prange
 
 from quant.intrin import (add16, bits_f32, bits_f64, dotq4_row, dotq8_row, f2h, f32_bits, f64_bits, fma16, fma16h, fma32,
-                          fma64, h2f, mul16, mul16h, pv16, scores16)
+                          fma64, h2f, mul16, mul16h, pv16, pv_tile, scores16)
 
 f32 = np.float32
 _C = [f32(float.fromhex(h)) for h in ("0x1.8p23", "0x1.715476p+0", "0x1.7f7d1cp-20", "0x1.62e4p-1", "0x1.0e4020p-7",
@@ -390,12 +390,30 @@ def _gelu_mul(gate, up, out, table):
             out[i, j] = v * up[i, j]
 
 
-_T64, _T128, _T256 = (scores16(d, 1) for d in (64, 128, 256))
+_T64, _T128, _T256 = (scores16(d, 1, 64) for d in (64, 128, 256))
+_PV64, _PV128, _PV256 = (pv_tile(d) for d in (64, 128, 256))
 
 
 @njit(inline="always")
-def _scores_chain(d, kf, ko, cap, qf, qo, out, oo):
-    """16 scores, each one fma chain over the dims in order (simd_gemm's), any head size."""
+def _pv_tile(d, vf, v0, P, acc):
+    """acc += the tile's 64 value rows (f16, from vf[v0:]) weighted by P, cell after cell."""
+    if d == 64:
+        _PV64(vf, v0, P, 0, acc, 0)
+    elif d == 128:
+        _PV128(vf, v0, P, 0, acc, 0)
+    elif d == 256:
+        _PV256(vf, v0, P, 0, acc, 0)
+    else:
+        for cc in range(64):
+            w = P[cc]
+            for j in range(d):
+                acc[j] = fma32(h2f(vf[v0 + cc * d + j]), w, acc[j])
+
+
+@njit(inline="always")
+def _scores_tile(d, kf, ko, cap, qf, qo, out, oo):
+    """A tile's 64 scores, each one fma chain over the dims in order (simd_gemm's), any head
+    size (the built sizes run the four blocks' chains side by side)."""
     if d == 64:
         _T64(kf, ko, cap, qf, qo, out, oo)
     elif d == 128:
@@ -403,9 +421,10 @@ def _scores_chain(d, kf, ko, cap, qf, qo, out, oo):
     elif d == 256:
         _T256(kf, ko, cap, qf, qo, out, oo)
     else:
-        mul16(out, oo, kf, ko, qf[qo])
-        for j in range(1, d):
-            fma16(out, oo, kf, ko + j * cap, qf[qo + j])
+        for c16 in range(0, 64, 16):
+            mul16(out, oo + c16, kf, ko + c16, qf[qo])
+            for j in range(1, d):
+                fma16(out, oo + c16, kf, ko + c16 + j * cap, qf[qo + j])
 
 
 @njit(inline="always")
@@ -443,8 +462,7 @@ def _fa_tile(d, group, g, kf, vf, kpage, vpage, stride, tab, top, kpos, p1, wind
         for b0 in range(0, top, 64):          # a tile of 64 cells (one page)
             k0 = tab[b0 >> 6] * kpage + g * d * stride
             tmax = f32(-np.inf)
-            for c16 in range(0, 64, 16):
-                _scores_chain(d, kf, k0 + c16, stride, qb, 0, P, c16)
+            _scores_tile(d, kf, k0, stride, qb, 0, P, 0)
             for cc in range(64):
                 if b0 + cc < top and _visible(kpos[_row(tab, b0 + cc)], p1, window):
                     P[cc] = P[cc] * scale
@@ -467,12 +485,7 @@ def _fa_tile(d, group, g, kf, vf, kpage, vpage, stride, tab, top, kpos, p1, wind
                 total += np.float64(((x[8] + x[0]) + (x[12] + x[4])) + ((x[10] + x[2]) + (x[14] + x[6]))
                                     + (((x[9] + x[1]) + (x[13] + x[5])) + ((x[11] + x[3]) + (x[15] + x[7]))))
             S = f32(np.float64(S) + total)
-            v0 = tab[b0 >> 6] * vpage + g * 64 * d
-            for cc in range(64):
-                w = P[cc]
-                vr = vf[v0 + cc * d:v0 + cc * d + d]
-                for j in range(d):
-                    acc[j] = fma32(h2f(vr[j]), w, acc[j])
+            _pv_tile(d, vf, tab[b0 >> 6] * vpage + g * 64 * d, P, acc)
         Ms[e], Ss[e] = M, S
 
 
