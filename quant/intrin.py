@@ -200,16 +200,16 @@ def pv_tile(d: int):
     return pv
 
 
-def scores16(d: int, lanes: int, keys: int = 16):
+def scores16(d: int, lanes: int):
     """An intrinsic scores(kf, ko, cap, qf, qo, out, oo): the dot products of one query
     qf[qo:qo+d] with 16 keys, key i's dim j at kf[ko + j*cap + i], summed as llama.cpp's f16
     dots sum (see runner.backends.kernels.attention): lanes = 16, one fma chain per lane j % 16
     (tinyBLAS); lanes = 64, chains j % 64 folded (0 + 2) + (1 + 3) (ggml_vec_dot_f16); then
-    _mm512_reduce_add_ps's tree; lanes = 1, one chain over the dims in order (simd_gemm). 16 keys at once: each value below is a vector over the keys,
-    and every chain stays in registers. Written to out[oo:oo+16]. With lanes = 1, keys = 64:
-    keys ko .. ko+63 into out[oo:oo+64], their four chains interleaved dim by dim, so that the
-    core overlaps them (one chain of d dependent fmas is latency-bound); each score's steps
-    are unchanged."""
+    _mm512_reduce_add_ps's tree. 16 keys at once: each value below is a vector over the keys,
+    and every chain stays in registers. Written to out[oo:oo+16]. lanes = 1 (simd_gemm, flash
+    attention's tiles): a tile's 64 keys ko .. ko+63 into out[oo:oo+64], each score one chain
+    over the dims in order, the four blocks' chains interleaved dim by dim so that the core
+    overlaps them (one chain of d dependent fmas is latency-bound)."""
     @intrinsic
     def scores(typingctx, kf, ko, cap, qf, qo, out, oo):
         def codegen(context, builder, sig, args):
@@ -235,22 +235,20 @@ def scores16(d: int, lanes: int, keys: int = 16):
                     acc = builder.call(fma, [key(j), qsplat(j), acc])
                 return acc
 
-            if lanes == 1 and keys > 16:    # the tile's blocks of 16 keys, chains side by side
-                accs = [None] * (keys // 16)
+            if lanes == 1:      # the tile's four blocks of 16 keys, chains side by side
+                accs = [None] * 4
                 for j in range(d):
                     qj = qsplat(j)
-                    for kb in range(keys // 16):
+                    for kb in range(4):
                         accs[kb] = builder.fmul(key(j, kb), qj) if j == 0 else builder.call(fma, [key(j, kb), qj, accs[kb]])
                 for kb, a in enumerate(accs):
                     builder.store(a, _vec_ptr(context, builder, sig.args[5], aout, builder.add(aoo, ir.Constant(aoo.type, 16 * kb))), align=4)
                 return context.get_dummy_value()
-            if lanes == 1:      # one chain over the dims in order: ggml's simd_gemm (flash attention's tiles)
-                x = [chain(0)]
-            elif lanes == 16:
+            if lanes == 16:
                 x = [chain(r) for r in range(16)]
             else:
                 x = [builder.fadd(builder.fadd(chain(r), chain(32 + r)), builder.fadd(chain(16 + r), chain(48 + r))) for r in range(16)]
-            for half in ((8, 4, 2, 1) if lanes > 1 else ()):
+            for half in (8, 4, 2, 1):
                 x = [builder.fadd(x[r], x[r + half]) for r in range(half)]
             builder.store(x[0], _vec_ptr(context, builder, sig.args[5], aout, aoo), align=4)
             return context.get_dummy_value()

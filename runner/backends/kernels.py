@@ -390,7 +390,7 @@ def _gelu_mul(gate, up, out, table):
             out[i, j] = v * up[i, j]
 
 
-_T64, _T128, _T256 = (scores16(d, 1, 64) for d in (64, 128, 256))
+_T64, _T128, _T256 = (scores16(d, 1) for d in (64, 128, 256))
 _PV64, _PV128, _PV256 = (pv_tile(d) for d in (64, 128, 256))
 
 
