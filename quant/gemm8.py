@@ -32,18 +32,13 @@ from numba.extending import intrinsic
 
 from quant.act import quantize_q8_0, quantize_q8_K
 from quant.common import F16, readonly
+from quant.intrin import _splat
 from quant.kquants import _byte, _f16, _k4_scales, _q3_scales
 from quant import cpu
 
 I8, I32, F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
 V64B, V16I, V16F = ir.VectorType(I8, 64), ir.VectorType(I32, 16), ir.VectorType(F32, 16)
 TOKENS = 8      # tokens per micro-kernel call: 8 int32 + 8 float accumulators of 16 rows
-
-
-def _splat(builder, value, vty):
-    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined),
-                                  ir.Constant(ir.VectorType(I32, vty.count), [0] * vty.count))
 
 
 def _ptr(context, builder, arrty, arr, offset, ty):

@@ -104,6 +104,13 @@ def f2h(typingctx, x):
     return types.uint16(types.float32), codegen
 
 
+def _splat(builder, value, vty):
+    """value in every lane of a vector of type vty (insertelement + shufflevector: vbroadcast)."""
+    i32 = ir.IntType(32)
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(i32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(i32, vty.count), [0] * vty.count))
+
+
 def _vec_ptr(context, builder, arrty, arr, offset):
     data = context.make_array(arrty)(context, builder, arr).data
     return builder.bitcast(builder.gep(data, [offset]), ir.VectorType(ir.FloatType(), 16).as_pointer())
@@ -127,8 +134,7 @@ def _fma16(half: bool):
             aacc, aai, ax, axi, as_ = args
             v16 = ir.VectorType(ir.FloatType(), 16)
             pa = _vec_ptr(context, builder, sig.args[0], aacc, aai)
-            splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), as_, ir.Constant(ir.IntType(32), 0)),
-                                           ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+            splat = _splat(builder, as_, v16)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
             r = builder.call(fma, [_load16(context, builder, sig.args[2], ax, axi), splat, builder.load(pa, align=4)])
             if half:
@@ -152,8 +158,7 @@ def mul16(typingctx, out, oi, x, xi, s):
     def codegen(context, builder, sig, args):
         ao, aoi, ax, axi, as_ = args
         v16 = ir.VectorType(ir.FloatType(), 16)
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), as_, ir.Constant(ir.IntType(32), 0)),
-                                       ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+        splat = _splat(builder, as_, v16)
         vx = _load16(context, builder, sig.args[2], ax, axi)
         builder.store(builder.fmul(vx, splat), _vec_ptr(context, builder, sig.args[0], ao, aoi), align=4)
         return context.get_dummy_value()
@@ -181,15 +186,14 @@ def pv_tile(d: int):
     def pv(typingctx, v, vo, w, wo, acc, ao):
         def codegen(context, builder, sig, args):
             av, avo, aw, awo, aacc, aao = args
-            v16, i32, i64 = ir.VectorType(ir.FloatType(), 16), ir.IntType(32), avo.type
+            v16, i64 = ir.VectorType(ir.FloatType(), 16), avo.type
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
             wdata = context.make_array(sig.args[2])(context, builder, aw).data
             ptrs = [_vec_ptr(context, builder, sig.args[4], aacc, builder.add(aao, ir.Constant(aao.type, 16 * b))) for b in range(d // 16)]
             accs = [builder.load(p, align=4) for p in ptrs]
             for c in range(64):
                 x = builder.load(builder.gep(wdata, [builder.add(awo, ir.Constant(awo.type, c))]))
-                ws = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), x, ir.Constant(i32, 0)),
-                                            ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+                ws = _splat(builder, x, v16)
                 for b in range(d // 16):
                     row = _load16(context, builder, sig.args[0], av, builder.add(avo, ir.Constant(i64, c * d + 16 * b)))
                     accs[b] = builder.call(fma, [row, ws, accs[b]])
@@ -214,7 +218,7 @@ def scores16(d: int, lanes: int):
     def scores(typingctx, kf, ko, cap, qf, qo, out, oo):
         def codegen(context, builder, sig, args):
             akf, ako, acap, aqf, aqo, aout, aoo = args
-            v16, i32 = ir.VectorType(ir.FloatType(), 16), ir.IntType(32)
+            v16 = ir.VectorType(ir.FloatType(), 16)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
             qdata = context.make_array(sig.args[3])(context, builder, aqf).data
 
@@ -224,8 +228,7 @@ def scores16(d: int, lanes: int):
 
             def qsplat(j):
                 x = builder.load(builder.gep(qdata, [builder.add(aqo, ir.Constant(aqo.type, j))]))
-                return builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), x, ir.Constant(i32, 0)),
-                                              ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+                return _splat(builder, x, v16)
 
             def chain(r):       # lane r: dims r, r + lanes, ...
                 if r >= d:
@@ -265,7 +268,7 @@ def pv16(typingctx, v, vo, vrow, n, w, wo, lanes, out, oo, ostride, table, pstri
     Lane l's sums go to out[oo + l*ostride : +16]."""
     def codegen(context, builder, sig, args):
         av, avo, avr, an, aw, awo, alanes, aout, aoo, aos, atab, aps = args
-        v16, i32 = ir.VectorType(ir.FloatType(), 16), ir.IntType(32)
+        v16 = ir.VectorType(ir.FloatType(), 16)
         i64 = avo.type
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
         wdata = context.make_array(sig.args[4])(context, builder, aw).data
@@ -286,8 +289,7 @@ def pv16(typingctx, v, vo, vrow, n, w, wo, lanes, out, oo, ostride, table, pstri
                     s = builder.add(s0, ir.Constant(i64, r))
                     x = _load16(context, builder, sig.args[0], av, builder.add(base, builder.mul(ir.Constant(i64, r), avr)))
                     wt = builder.load(builder.gep(wdata, [builder.add(awo, s)]))
-                    splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), wt, ir.Constant(i32, 0)),
-                                                   ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+                    splat = _splat(builder, wt, v16)
                     builder.store(builder.call(fma, [x, splat, builder.load(accs[r])]), accs[r])
             for r in range(16):
                 dst = builder.add(aoo, builder.mul(builder.add(g0, ir.Constant(i64, r)), aos))
@@ -303,8 +305,7 @@ def mul16h(typingctx, acc, ai, s):
         aacc, aai, as_ = args
         v16 = ir.VectorType(ir.FloatType(), 16)
         pa = _vec_ptr(context, builder, sig.args[0], aacc, aai)
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), as_, ir.Constant(ir.IntType(32), 0)),
-                                       ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+        splat = _splat(builder, as_, v16)
         r = builder.fmul(builder.load(pa, align=4), splat)
         builder.store(builder.fpext(builder.fptrunc(r, ir.VectorType(ir.HalfType(), 16)), v16), pa, align=4)
         return context.get_dummy_value()
@@ -361,8 +362,7 @@ def _dotq_row(q4: bool):
                     p = builder.sext(builder.mul(builder.sext(kv, V(i16, 32)), builder.sext(qv, V(i16, 32))), V(i32, 32))
                     p = builder.add(builder.shuffle_vector(p, p, idx(range(0, 32, 2))), builder.shuffle_vector(p, p, idx(range(1, 32, 2))))
                     p = builder.add(builder.shuffle_vector(p, p, idx(range(0, 16, 2))), builder.shuffle_vector(p, p, idx(range(1, 16, 2))))
-                splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, ir.Undefined), dd, ir.Constant(i32, 0)),
-                                               ir.Constant(v8, ir.Undefined), idx([0] * 8))
+                splat = _splat(builder, dd, v8)
                 builder.store(builder.call(fma, [splat, builder.sitofp(p, v8), builder.load(accp)]), accp)
             acc = builder.load(accp)
             a = [builder.extract_element(acc, ir.Constant(i32, j)) for j in range(8)]
