@@ -318,28 +318,45 @@ def _rows16(kind, n_tok, batch=False):
                 d_x * d_w times the lane into each token's accumulator ch."""
                 x0 = builder.mul(b, c(256))
                 scale = lambda j: builder.sext(load(builder.add(o, c(3072 + 16 * j)), ir.VectorType(I8, 16)), V16I)
-                lane = [zero] * n_tok
-                for h in range(2):
-                    for s_, w in q6_values(o, h, ch):
-                        sc = scale(8 * h + 2 * s_ + ch // 4)
-                        for t in range(n_tok):
-                            xo = builder.add(x0, c(128 * h + 32 * s_ + 4 * ch))
-                            lane[t] = builder.add(lane[t], builder.mul(builder.call(dpbusd, [zero, w, xword(t, xo)]), sc))
-                d = halves16(builder.add(o, c(3328)))
-                sa, sb = scale(2 * ch), scale(2 * ch + 1)
-                for t in range(n_tok):      # isum: 32 times the sums per 16
+                # the offset's part first: lane = -32 (sa Sa + sb Sb) for the x-sums Sa, Sb of
+                # sub-blocks 2ch, 2ch + 1 (isum holds 32 Sa; |Sa| <= 2048) and their scales
+                # sa, sb, as one vpdpwssd over the word pairs (-32 sa, -32 sb) and (Sa, Sb)
+                neg32 = lambda v: builder.sub(zero, builder.shl(v, ir.Constant(V16I, [5] * 16)))
+                sab = builder.bitcast(builder.or_(builder.and_(neg32(scale(2 * ch)), low16),
+                                                  builder.shl(neg32(scale(2 * ch + 1)), ir.Constant(V16I, [16] * 16))), V32H)
+                first = []
+                for t in range(n_tok):
                     s0 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(2 * ch)), I32)
                     s1 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(2 * ch + 1)), I32)
-                    less = builder.add(builder.mul(sa, _splat(builder, s0, V16I)), builder.mul(sb, _splat(builder, s1, V16I)))
+                    pair = builder.or_(builder.and_(builder.ashr(s0, ir.Constant(I32, 5)), ir.Constant(I32, 0xFFFF)),
+                                       builder.shl(builder.ashr(s1, ir.Constant(I32, 5)), ir.Constant(I32, 16)))
+                    first.append(builder.call(dpwssd, [zero, sab, builder.bitcast(_splat(builder, pair, V16I), V32H)]))
+                lanes = [first, [zero] * n_tok]     # by half: shorter vpdpwssd chains
+                for h in range(2):
+                    lane = lanes[h]
+                    for s_, w in q6_values(o, h, ch):
+                        # a dot of four values fits an int16 (|4 * 63 * 128| < 2^15), so the
+                        # scale's multiply and the lane's add are one vpdpwssd against the
+                        # scale in the low word (high word 0): the same integers, a third fewer
+                        # instructions a token than vpmulld + vpaddd
+                        sc = builder.bitcast(builder.and_(scale(8 * h + 2 * s_ + ch // 4), low16), V32H)
+                        for t in range(n_tok):
+                            xo = builder.add(x0, c(128 * h + 32 * s_ + 4 * ch))
+                            dot = builder.bitcast(builder.call(dpbusd, [zero, w, xword(t, xo)]), V32H)
+                            lane[t] = builder.call(dpwssd, [lane[t], dot, sc])
+                lane = [builder.add(a, b_) for a, b_ in zip(*lanes)]
+                d = halves16(builder.add(o, c(3328)))
+                for t in range(n_tok):
                     dd = builder.fmul(_splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F), d)
                     a = acc[t][ch]
-                    builder.store(builder.call(fma, [dd, builder.sitofp(builder.sub(lane[t], less), V16F), builder.load(a)]), a)
+                    builder.store(builder.call(fma, [dd, builder.sitofp(lane[t], V16F), builder.load(a)]), a)
 
             n_acc = 2 if kind == Q4_K else 1 if kind == Q4_0 else 8
             acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(n_acc)] for _ in range(n_tok)]
             prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
                                                       "llvm.prefetch.p0i8")
             low4, top2, zero = ir.Constant(V64B, [15] * 64), ir.Constant(V64B, [48] * 64), ir.Constant(V16I, None)
+            low16 = ir.Constant(V16I, [0xFFFF] * 16)
             if batch and kind in (Q5_0, Q8_0):
                 # a batch: one chunk (one or two lanes) at a time over all blocks, so that only
                 # those lanes' accumulators are live (each lane's order is the same); the

@@ -237,6 +237,30 @@ def test_packed_sums_in_llamas_order(type_id):
 
 
 @pytest.mark.skipif(not packed.enabled(), reason="repacking needs AVX512-VNNI (and NUMBAT_REPACK unset)")
+def test_packed_q6_K_extreme_dots_in_llamas_order():
+    """The decode kernel multiplies each four-value dot by its scale as int16 words: at the
+    bounds (q = 63, scales -128 and 127, activations quantized to -128 and 127) the lanes
+    still hold llama.cpp's integers, for one token and four at once."""
+    import llama_orders
+    raw = np.zeros((16, 2, 210), np.uint8)
+    raw[:, :, :192] = 0xFF                              # ql, qh: every q = 63
+    raw[:, 0, 192:208] = np.uint8(0x80)                 # scales -128 (block 0) and 127 (block 1)
+    raw[:, 1, 192:208] = 127
+    raw[:, :, 208:210] = np.array([1.0], np.float16).view(np.uint8)
+    raw = raw.reshape(16, 420)
+    p = packed.pack(T.Q6_K, raw)
+    X = np.stack([np.full(512, -1.0), np.full(512, 1.0), np.where(np.arange(512) < 256, -3.0, 3.0),
+                  np.full(512, -2.5)]).astype(np.float32)
+    want = llama_orders.matmul(T.Q6_K, raw, X[:1])
+    for x in X[1:]:
+        want = np.concatenate([want, llama_orders.matmul(T.Q6_K, raw, x[None])])
+    Y = np.full((4, 16), np.nan, np.float32)
+    packed.matmul_rows(p, X, Y, batch=False)
+    np.testing.assert_array_equal(Y, want)
+    assert np.isfinite(want).all() and (want != 0).all()
+
+
+@pytest.mark.skipif(not packed.enabled(), reason="repacking needs AVX512-VNNI (and NUMBAT_REPACK unset)")
 def test_pack_file_fuses_groups_of_one_type():
     """q, k, v (gate, up) of one type become one matrix whose rows are the members' rows in
     order, with each member's bits; a group of mixed types is left as its members."""
