@@ -59,6 +59,7 @@ Q4_0, Q5_0, Q8_0, Q4_K, Q6_K = 0, 1, 2, 3, 4
 LAYOUT = {Q4_0: (18, 288, 8, 32), Q5_0: (22, 352, 16, 32), Q8_0: (34, 544, 128, 32), Q4_K: (144, 2368, 0, 256),
           Q6_K: (210, 3360, 32, 256)}
 KINDS = {T.Q4_0: Q4_0, T.Q5_0: Q5_0, T.Q8_0: Q8_0, T.Q4_K: Q4_K, T.Q6_K: Q6_K}
+NAMES = {k: T(t).name for t, k in KINDS.items()}
 
 
 class Packed:
@@ -227,7 +228,7 @@ def _rows16(kind, n_tok, batch=False):
     through the same operations for any n_tok (verification gets decode's bits); the weights
     are loaded and unpacked once for all n_tok."""
     _, gb, off, _ = LAYOUT[kind]
-    pf = None if batch else cpu.KIND.prefetch.get(n_tok)     # a batch re-reads a group from cache: no prefetch
+    pf = None if batch else cpu.KIND.prefetch.get((NAMES[kind], n_tok), cpu.KIND.prefetch.get(n_tok))     # a batch re-reads a group from cache: no prefetch
 
     @intrinsic
     def rows16(typingctx, pk, g, nb, xq, xd, isum, y, t0):
