@@ -67,7 +67,7 @@ def main():
             logits = m.backend.forward([t], cache)[-1]
 
     def check():
-        m.backend.forward((ids * a.check)[:a.check], cache, logits="all")
+        m.backend.forward((ids * a.check)[:a.check], cache, logits="all", one_by_one=True)   # as speculative_generate
         cache.rollback(a.check)
 
     def prompt():
