@@ -251,9 +251,7 @@ def test_packed_q6_K_extreme_dots_in_llamas_order():
     p = packed.pack(T.Q6_K, raw)
     X = np.stack([np.full(512, -1.0), np.full(512, 1.0), np.where(np.arange(512) < 256, -3.0, 3.0),
                   np.full(512, -2.5)]).astype(np.float32)
-    want = llama_orders.matmul(T.Q6_K, raw, X[:1])
-    for x in X[1:]:
-        want = np.concatenate([want, llama_orders.matmul(T.Q6_K, raw, x[None])])
+    want = np.concatenate([llama_orders.matmul(T.Q6_K, raw, x[None]) for x in X])    # one token each
     Y = np.full((4, 16), np.nan, np.float32)
     packed.matmul_rows(p, X, Y, batch=False)
     np.testing.assert_array_equal(Y, want)
