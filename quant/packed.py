@@ -352,6 +352,9 @@ def _rows16(kind, n_tok, batch=False):
                     a = acc[t][ch]
                     builder.store(builder.call(fma, [dd, builder.sitofp(lane[t], V16F), builder.load(a)]), a)
 
+            def fence():
+                builder.asm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", [], True)
+
             n_acc = 2 if kind == Q4_K else 1 if kind == Q4_0 else 8
             acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(n_acc)] for _ in range(n_tok)]
             prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
@@ -405,14 +408,15 @@ def _rows16(kind, n_tok, batch=False):
                     # sub-block j)), subtracted at the end; the gemv adds once per block, the
                     # gemm (batch) once per pair of sub-blocks
                     x0 = builder.mul(b, c(256))
-                    d, dmin = halves16(builder.add(o, c(2304))), halves16(builder.add(o, c(2336)))
-                    dd, ddm = [], []
-                    for t in range(n_tok):
-                        dx = _splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F)
-                        dd.append(builder.fmul(d, dx))
-                        ddm.append(builder.fmul(dmin, dx))
+
+                    def scales():   # d_w d_x and dmin_w d_x of each token, loaded where used
+                        d, dmin = halves16(builder.add(o, c(2304))), halves16(builder.add(o, c(2336)))
+                        dx = [_splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F) for t in range(n_tok)]
+                        return [builder.fmul(d, x) for x in dx], [builder.fmul(dmin, x) for x in dx]
                     ia, mins = [zero] * n_tok, [zero] * n_tok
                     for p in range(4):
+                        if n_tok > 1:
+                            fence()
                         dlo, dhi = [zero] * n_tok, [zero] * n_tok
                         for ch in range(8):
                             q = load(builder.add(o, c(64 * (8 * p + ch))), V64B)
@@ -425,6 +429,8 @@ def _rows16(kind, n_tok, batch=False):
                         # sub-blocks (isum holds int16 pairs here): vpdpwssd
                         two = load(builder.add(o, c(2176 + 32 * p)), ir.VectorType(I8, 32))
                         mp = builder.zext(builder.shuffle_vector(two, two, ir.Constant(ir.VectorType(I32, 32), [i // 2 + 16 * (i % 2) for i in range(32)])), V32H)
+                        if batch:
+                            dd, ddm = scales()
                         for t in range(n_tok):
                             ip = builder.add(builder.mul(dlo[t], sl), builder.mul(dhi[t], sh))
                             pair = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(4)), c(p)), I32)
@@ -436,6 +442,7 @@ def _rows16(kind, n_tok, batch=False):
                             else:
                                 ia[t], mins[t] = builder.add(ia[t], ip), mk
                     if not batch:
+                        dd, ddm = scales()
                         for t in range(n_tok):
                             a, am = acc[t][0], acc[t][1]
                             builder.store(builder.call(fma, [builder.sitofp(ia[t], V16F), dd[t], builder.load(a)]), a)
