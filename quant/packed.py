@@ -222,8 +222,9 @@ def pack_file(f, names, groups=(), keep=None) -> dict:
 
 def _rows16(kind, n_tok, batch=False):
     """Y[t0 + t, 16g:16g+16] = group g of pk (2-D) . X[t0 + t] for t < n_tok, over nb blocks:
-    X as xq (T, n) int8, xd (T, blocks) float32 scales, isum (T, .) sums of xq per 32 values
-    (int32; Q4_K: two int16 sums in each int32; Q6_K 32 times the sums per 16: one type for
+    X as xq (T, n) int8, xd (T, blocks) float32 scales, isum (T, .) sums of xq (int32; Q4_0
+    per 32 values; Q5_0/Q8_0 -offset times the sums per 4; Q4_K per 32, two int16 sums in
+    each int32; Q6_K 32 times the sums per 16: one type for
     every kind, so each kind's _matmul compiles once). Each token's lanes go
     through the same operations for any n_tok (verification gets decode's bits); the weights
     are loaded and unpacked once for all n_tok."""
@@ -273,14 +274,19 @@ def _rows16(kind, n_tok, batch=False):
                 q = load(builder.add(o, c(64 * ch)), V64B)
                 lo, hi = builder.and_(q, low4), builder.lshr(q, ir.Constant(V64B, [4] * 64))
                 if kind == Q5_0:
-                    sixteen, none = ir.Constant(V64B, [16] * 64), ir.Constant(V64B, [0] * 64)
-                    for half in range(2):
+                    # the fifth bit: where set, the nibble again with 16 in (a gf2p8affine that
+                    # moves the nibble down and xors 16 in; masked, it merges into the plain one)
+                    aff = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V64B, [V64B, V64B, I8]),
+                                                         "llvm.x86.vgf2p8affineqb.512")
+                    for half, shift in ((0, 0), (1, 4)):
+                        mat = ir.Constant(V64B, [0, 0, 0, 0, 8 << shift, 4 << shift, 2 << shift, 1 << shift] * 8)
                         mk = load(builder.add(o, c(256 + 16 * ch + 8 * half)), ir.IntType(64))
-                        bits = builder.select(builder.bitcast(mk, ir.VectorType(I1, 64)), sixteen, none)
+                        with16 = builder.call(aff, [q, mat, ir.Constant(I8, 16)])
+                        bits = builder.bitcast(mk, ir.VectorType(I1, 64))
                         if half == 0:
-                            lo = builder.or_(lo, bits)
+                            lo = builder.select(bits, with16, lo)
                         else:
-                            hi = builder.or_(hi, bits)
+                            hi = builder.select(bits, with16, hi)
                 return [(ch, lo, 4 * ch), (4 + ch, hi, 16 + 4 * ch)]
 
             def legacy_lanes(b, o, ch):
@@ -290,10 +296,9 @@ def _rows16(kind, n_tok, batch=False):
                 runs = legacy_runs(o, ch)
                 for t in range(n_tok):
                     dd = builder.fmul(d, _splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F))
-                    for lane, u, v0 in runs:     # isum: the sums per 4 values; the offset starts the dot
+                    for lane, u, v0 in runs:     # isum: -off times the sums per 4 values: the dot starts there
                         s4 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(8)), c(v0 // 4)), I32)
-                        init = _splat(builder, builder.mul(s4, ir.Constant(I32, -off)), V16I)
-                        v = builder.call(dpbusd, [init, u, xword(t, builder.add(x0, c(v0)))])
+                        v = builder.call(dpbusd, [_splat(builder, s4, V16I), u, xword(t, builder.add(x0, c(v0)))])
                         a = acc[t][lane]
                         builder.store(builder.call(fma, [dd, builder.sitofp(v, V16F), builder.load(a)]), a)
 
@@ -547,14 +552,15 @@ def _quantize_k(X, q4, m, xq, xd, bs16, bs32, sums):
 
 
 @njit(cache=True)
-def _quantize_0(X, m, xq, xd, xs, s32, sums, per4):
-    """The rows of X as Q8_0, rows up to m zero; sums: the sums per 4 values (per4: the
-    kernels' lanes) or per 32 (Q4_0's whole blocks)."""
+def _quantize_0(X, m, xq, xd, xs, s32, sums, off):
+    """The rows of X as Q8_0, rows up to m zero; sums: -off times the sums per 4 values (the
+    kernels' lanes start their dots there: one broadcast load, no multiply) or, off 0, the
+    sums per 32 (Q4_0's whole blocks)."""
     for i in range(X.shape[0]):
         quantize_q8_0(X[i], xq[i], xd[i], xs, s32)
-        if per4:
+        if off:
             for j in range(sums.shape[1]):
-                sums[i, j] = np.int32(xq[i, 4 * j]) + np.int32(xq[i, 4 * j + 1]) + np.int32(xq[i, 4 * j + 2]) + np.int32(xq[i, 4 * j + 3])
+                sums[i, j] = -off * (np.int32(xq[i, 4 * j]) + np.int32(xq[i, 4 * j + 1]) + np.int32(xq[i, 4 * j + 2]) + np.int32(xq[i, 4 * j + 3]))
         else:       # a loop: a slice assignment from an array compiled numba's string
             for j in range(s32.shape[0]):     # formatting for its shape error (2.4 s)
                 sums[i, j] = s32[j]
@@ -587,7 +593,7 @@ def _quantized(p: Packed, X: np.ndarray, m: int):
     if k:
         _quantize_k(X, p.kind == Q4_K, m, xq, xd, s1, s2, qsums)
     else:
-        _quantize_0(X, m, xq, xd, s1, s2, qsums, p.kind != Q4_0)
+        _quantize_0(X, m, xq, xd, s1, s2, qsums, 0 if p.kind == Q4_0 else LAYOUT[p.kind][2])
     v = views.get(m)
     if v is None:
         v = views[m] = (xq[:m], xd[:m], sums[:m], c // (256 if k else 32))
