@@ -24,8 +24,10 @@ Per group of 16 rows and block b:
               nibble value 64p+4c+j, high 64p+32+4c+j); then the 8 six-bit scales and the
               8 mins as bytes, [j][row]; then 16 f16 d and 16 f16 dmin (64 bytes more than
               the file's 16 blocks: the scales unpacked).
-  Q6_K (3360): 32 ql chunks (chunk m byte 4i+j = row i's ql byte 4m+j), 16 qh chunks
-              (likewise qh), the 16 int8 scales as bytes [j][row], 16 f16 d (the file's size).
+  Q6_K (3360): 16 quads of 3 chunks, quad 8h+c for values 128h + 32s + 4c + j of row i
+              (s = 0..3) at byte 4i+j: chunk s (s < 3) holds value s in its low six bits
+              and two bits of value 3 on top (chunk 0 bits 0-1, chunk 1 bits 2-3, chunk 2
+              bits 4-5); then the 16 int8 scales as bytes [j][row], 16 f16 d (the file's size).
 The unsigned values carry an offset (8, 16, 128; Q6_K 32 per 16 values) that comes off
 through the sums of the activations: sum (u - off) x = sum u x - off * sum x (per 4
 values where llama.cpp's lanes are 4 values wide).
@@ -133,16 +135,23 @@ def _group_q4_K(raw, out, g):
 
 @njit(inline="always")
 def _group_q6_K(raw, out, g):
-    """In 16-bit words (blocks are 105 words): ql word pair m -> chunk m, qh pair m -> chunk
-    32 + m, scales and d as bytes and words."""
+    """The 6-bit values regrouped (see the module's docstring), scales and d as bytes and words."""
     nb = raw.shape[1] // 210
     o, o2 = out[g], out.view(np.uint16)[g]
     for i in range(16):
         w, w2 = raw[16 * g + i], raw.view(np.uint16)[16 * g + i]
         for b in range(nb):
-            for m in range(48):
-                o2[b * 1680 + 32 * m + 2 * i] = w2[b * 105 + 2 * m]
-                o2[b * 1680 + 32 * m + 2 * i + 1] = w2[b * 105 + 2 * m + 1]
+            for h in range(2):
+                for l in range(32):         # values 128h + l + 32s of the block, s = 0..3
+                    ql0, ql1, qh = w[b * 210 + 64 * h + l], w[b * 210 + 64 * h + 32 + l], w[b * 210 + 128 + 32 * h + l]
+                    v0 = (ql0 & 15) | (qh & 3) << 4
+                    v1 = (ql1 & 15) | (qh >> 2 & 3) << 4
+                    v2 = ql0 >> 4 | (qh >> 4 & 3) << 4
+                    v3 = ql1 >> 4 | (qh >> 6) << 4
+                    at = b * 3360 + 192 * (8 * h + l // 4) + 4 * i + l % 4
+                    o[at] = v0 | (v3 & 3) << 6
+                    o[at + 64] = v1 | (v3 >> 2 & 3) << 6
+                    o[at + 128] = v2 | (v3 >> 4) << 6
             for j in range(16):
                 o[b * 3360 + 3072 + 16 * j + i] = w[b * 210 + 192 + j]
             o2[b * 1680 + 1664 + i] = w2[b * 105 + 104]       # d
@@ -303,19 +312,15 @@ def _rows16(kind, n_tok, batch=False):
                         builder.store(builder.call(fma, [dd, builder.sitofp(v, V16F), builder.load(a)]), a)
 
             def q6_values(o, h, ch):
-                """Chunk ch of half h of the Q6_K block at o: for each of the half's four
-                32-value runs s_, the values q (0..63) as unsigned bytes, (s_, q). Low 4 bits
-                from the ql chunks (k = 0, 1: nibbles of runs k and k + 2), high 2 from the qh
-                chunk (bits 2s_, 2s_ + 1)."""
-                hb = load(builder.add(o, c(64 * (32 + 8 * h + ch))), V64B)
-                out = []
-                for k in range(2):
-                    ql = load(builder.add(o, c(64 * (16 * h + 8 * k + ch))), V64B)
-                    for s_, nib in ((k, builder.and_(ql, low4)), (k + 2, builder.lshr(ql, ir.Constant(V64B, [4] * 64)))):
-                        sh = 4 - 2 * s_
-                        top = (builder.shl if sh > 0 else builder.lshr)(hb, ir.Constant(V64B, [abs(sh)] * 64))
-                        out.append((s_, builder.or_(nib, builder.and_(top, top2))))
-                return out
+                """Values 4ch..4ch+3 of the four 32-value runs s_ of half h of the Q6_K block
+                at o, (s_, q) with q (0..63) as unsigned bytes: runs 0-2 are the low six bits
+                of the quad's three chunks, run 3 their top two bits (seven instructions for
+                the four, eleven from the file's nibbles and bit pairs)."""
+                a, b_, c_ = (load(builder.add(o, c(192 * (8 * h + ch) + 64 * r)), V64B) for r in range(3))
+                six = ir.Constant(V64B, [63] * 64)
+                top = lambda v, sh, m: builder.and_(builder.lshr(v, ir.Constant(V64B, [sh] * 64)), ir.Constant(V64B, [m] * 64))
+                v3 = builder.or_(builder.or_(builder.lshr(a, ir.Constant(V64B, [6] * 64)), top(b_, 4, 12)), top(c_, 2, 48))
+                return [(0, builder.and_(a, six)), (1, builder.and_(b_, six)), (2, builder.and_(c_, six)), (3, v3)]
 
             def q6_lane(b, o, ch):
                 """llama.cpp's lanes for Q6_K (vec_dot_q6_K_q8_K): lane ch sums, over the eight
@@ -364,7 +369,7 @@ def _rows16(kind, n_tok, batch=False):
             acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(n_acc)] for _ in range(n_tok)]
             prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
                                                       "llvm.prefetch.p0i8")
-            low4, top2, zero = ir.Constant(V64B, [15] * 64), ir.Constant(V64B, [48] * 64), ir.Constant(V16I, None)
+            low4, zero = ir.Constant(V64B, [15] * 64), ir.Constant(V16I, None)
             low16 = ir.Constant(V16I, [0xFFFF] * 16)
             if batch and kind in (Q5_0, Q8_0):
                 # a batch: one chunk (one or two lanes) at a time over all blocks, so that only
