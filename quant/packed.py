@@ -578,8 +578,8 @@ _bufs: dict[tuple, tuple] = {}
 
 def _quantized(p: Packed, X: np.ndarray, m: int):
     """X (T, cols) as the kernels read it, padded with zero rows to m >= T: views of m rows
-    of xq, xd and the sums (see _quantize_k; Q5_0/Q8_0: the sums per 4 values, Q4_0 per 32), and the
-    blocks per row. The buffers grow to the largest m asked for, once."""
+    of xq, xd and the sums (see _quantize_k; Q5_0/Q8_0: -offset times the sums per 4, Q4_0
+    the sums per 32), and the blocks per row. The buffers grow to the largest m asked for, once."""
     key = (p.kind, p.cols)
     b = _bufs.get(key)
     c, k = p.cols, p.kind in (Q4_K, Q6_K)
