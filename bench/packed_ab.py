@@ -1,7 +1,7 @@
 """In-process A/B of the repacked kernels (quant/packed.py): a git revision's version against
 the working tree's, both imported in one process, calls alternating (this host's speed drifts
 by 10-40% within minutes, so separate processes cannot tell a 10% change apart). Random
-weights with sane f16 scales (random bytes give NaN and subnormals), the outputs of the two
+weights with finite f16 scales (bench/kernels.py's), the outputs of the two
 asserted equal (the repacked kernels' bits are llama.cpp's: a change may not move them).
 
     python bench/packed_ab.py HEAD~1 [--rows 512] [--threads 1] [--kinds Q4_K,Q6_K,Q5_0,Q8_0]
@@ -24,15 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import runner.env  # noqa: E402,F401  thread-pool settings before numpy
 
-import gguf  # noqa: E402
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
+from kernels import random_weights  # noqa: E402  (bench/kernels.py: blocks with finite scales)
 from quant import packed as new  # noqa: E402
 
 COLS = {"Q4_K": 1536, "Q6_K": 1536, "Q5_0": 896, "Q8_0": 896, "Q4_0": 896}
-SCALES = {"Q6_K": (208,), "Q4_K": (0, 2)}     # byte offsets of the f16 d (and dmin) in a block
 
 
 def load_old(rev: str):
@@ -59,12 +58,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for name in a.kinds.split(","):
         t, cols = getattr(T, name), COLS[name]
-        bs, ts = gguf.GGML_QUANT_SIZES[t]
-        raw = rng.integers(0, 256, (a.rows, cols // bs * ts), dtype=np.uint8)
-        blk = raw.reshape(a.rows, cols // bs, ts)
-        d = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-        for at in SCALES.get(name, (0,)):
-            blk[:, :, at], blk[:, :, at + 1] = d[0], d[1]
+        raw = random_weights(t, a.rows, cols, rng)
         batch = 4 if name in ("Q4_K", "Q6_K") else 8
         for n, nbatch, label in ((1, 0, "one token"), (4, 0, "four"), (batch, batch, f"batch of {batch}")):
             X = rng.standard_normal((n, cols)).astype(np.float32)

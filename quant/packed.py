@@ -233,10 +233,9 @@ def _rows16(kind, n_tok, batch=False):
     """Y[t0 + t, 16g:16g+16] = group g of pk (2-D) . X[t0 + t] for t < n_tok, over nb blocks:
     X as xq (T, n) int8, xd (T, blocks) float32 scales, isum (T, .) sums of xq (int32; Q4_0
     per 32 values; Q5_0/Q8_0 -offset times the sums per 4; Q4_K per 32, two int16 sums in
-    each int32; Q6_K 32 times the sums per 16: one type for
-    every kind, so each kind's _matmul compiles once). Each token's lanes go
-    through the same operations for any n_tok (verification gets decode's bits); the weights
-    are loaded and unpacked once for all n_tok."""
+    each int32; Q6_K 32 times the sums per 16: one type for every kind, so each kind's
+    _matmul compiles once). Each token's lanes go through the same operations for any n_tok
+    (verification gets decode's bits); the weights are loaded and unpacked once for all n_tok."""
     _, gb, off, _ = LAYOUT[kind]
     pf = None if batch else cpu.KIND.prefetch.get((NAMES[kind], n_tok), cpu.KIND.prefetch.get(n_tok))     # a batch re-reads a group from cache: no prefetch
 
