@@ -115,7 +115,7 @@ def _flash(fa: str) -> bool:
 
 
 def _load(model: str | None, threads: int | None = None, fa: str = "auto", types: tuple[str, str] = ("f16", "f16"),
-          backend: str = "auto"):
+          backend: str = "auto", draft: bool = False):
     from runner import backends
     from runner.kv_cache import CACHE_TYPES
     from runner.model import load
@@ -136,14 +136,14 @@ def _load(model: str | None, threads: int | None = None, fa: str = "auto", types
     if name in catalog.CATALOG and not catalog.is_cached(name):
         err.print(f"pulling {name} (first use)")
     update, bar = _download_progress()
-    mark = _warm_mark(name, flash, types)
+    mark = _warm_mark(name, flash, types, draft)
     first = backend == "numba" and not mark.exists()
     try:
         if first:
             with err.status("compiling kernels for this model and settings (first use, up to half a minute)"):
                 warm = backends.first_run(flash, types)
                 try:
-                    m = load(name, update, threads, flash, types, backend)
+                    m = load(name, update, threads, flash, types, backend, draft)
                     warm.warm(m.backend, m.tokenizer.bos_id or 0)
                 finally:
                     warm.close()
@@ -153,7 +153,7 @@ def _load(model: str | None, threads: int | None = None, fa: str = "auto", types
             except OSError:     # an unwritable cache: the next load warms again
                 pass
         else:
-            m = load(name, update, threads, flash, types, backend)
+            m = load(name, update, threads, flash, types, backend, draft)
     finally:
         bar.stop()
     from runner.kv_cache import kv_cost_warning
@@ -164,11 +164,11 @@ def _load(model: str | None, threads: int | None = None, fa: str = "auto", types
     return m
 
 
-def _warm_mark(name: str, flash: bool, types: tuple[str, str]) -> Path:
+def _warm_mark(name: str, flash: bool, types: tuple[str, str], draft: bool = False) -> Path:
     """Kernels compile on the first use of a model and settings (its types and activation, the
-    attention path, the cache types): that load compiles them in two processes behind a
-    spinner, then leaves this mark beside the compiled kernels."""
-    key = hashlib.sha256(repr((name, flash, types)).encode()).hexdigest()[:16]
+    attention path, the cache types, as a draft: other weight types): that load compiles them
+    in two processes behind a spinner, then leaves this mark beside the compiled kernels."""
+    key = hashlib.sha256(repr((name, flash, types) + (("draft",) if draft else ())).encode()).hexdigest()[:16]
     return Path(os.environ["NUMBA_CACHE_DIR"]) / "warm" / key
 
 
@@ -206,7 +206,7 @@ def _speculation(draft, draft_max, lookup, lookup_ngram):
     if lookup_ngram is not None:
         raise UserError("--lookup-ngram needs --lookup")
     return lambda m, n_ctx, threads: DraftModel(m, _load(draft, threads, 'on' if m.backend.flash else 'off', m.backend.cache_types,
-                                                         "mlx" if m.backend.name == "mlx" else "numba"), n_ctx, k)
+                                                         "mlx" if m.backend.name == "mlx" else "numba", draft=True), n_ctx, k)
 
 
 def _spec_line(spec) -> str:

@@ -98,7 +98,7 @@ def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed
             from runner.speculative import DraftModel, speculative_generate
             code_ids = {k: m.tokenizer.encode(v) for k, v in prompts.items()}
             code_cache = m.make_cache(max(map(len, code_ids.values())) + n)
-            proposer = DraftModel(m, load(draft), code_cache.n_ctx, draft_max)
+            proposer = DraftModel(m, load(draft, draft=True), code_cache.n_ctx, draft_max)
 
         def code(name, speculate):
             code_cache.reset()

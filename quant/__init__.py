@@ -108,3 +108,19 @@ def quantize(data: np.ndarray, type_id: int, rows_per_chunk: int = 1024) -> np.n
     for r0 in range(0, data.shape[0], rows_per_chunk):
         out[r0:r0 + rows_per_chunk] = gq.quantize(np.asarray(data[r0:r0 + rows_per_chunk], np.float32), T(type_id))
     return out
+
+
+def requantize(type_id: int, raw: np.ndarray, n_cols: int, rows_per_chunk: int = 256) -> np.ndarray:
+    """A matrix of type_id (raw blocks, rows of n_cols values) as raw Q4_0 rows, the way
+    llama.cpp's quantizer requantizes: each chunk of rows dequantized to float32, then
+    quantize_row_q4_0_ref (a draft's weights: runner.backends.numba_cpu.DRAFT_Q4_0; numba's
+    loop, 6x gguf-py's speed: the 0.5b in 2.3 s instead of 5.5, once per file)."""
+    if n_cols % 32:
+        raise UnsupportedType(f"rows of {n_cols} values do not fit Q4_0 blocks of 32")
+    out = np.empty((raw.shape[0], n_cols // 32 * 18), np.uint8)
+    buf = np.empty((min(rows_per_chunk, raw.shape[0]), n_cols), np.float32)
+    for r0 in range(0, raw.shape[0], rows_per_chunk):
+        x = buf[:min(rows_per_chunk, raw.shape[0] - r0)]
+        qtype(type_id).dequant_rows(raw[r0:r0 + len(x)], x)
+        legacy.q4_0_rows(x, out[r0:r0 + len(x)])
+    return out

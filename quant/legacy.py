@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as T
 from numba import njit, prange, types
 
 from quant.common import F16, QType, readonly
-from quant.intrin import _add32, _field, _int_op, _mul16, _mul32, _or16
+from quant.intrin import _add32, _field, _int_op, _mul16, _mul32, _or16, f2h
 from quant.act import quantize_q8_0, roundtrip_q8_0, scratch
 
 I32 = np.int32
@@ -213,6 +213,34 @@ def _mv_q8_0(raw, xq, xd, y, F16, n16):
             acc += t
             b += U(1)
         y[r] = acc
+
+
+# ---------------------------------------------------------------- quantization to Q4_0
+
+@njit(inline="always")
+def q4_0_row(x, out):
+    """x to block_q4_0 bytes as ggml's quantize_row_q4_0_ref: d = (value of largest
+    magnitude) / -8, codes min(15, trunc(x / d + 8.5)), low nibbles the first 16."""
+    for b in range(x.shape[0] // 32):
+        amax, mx = np.float32(0), np.float32(0)
+        for j in range(32):
+            a = abs(x[b * 32 + j])
+            if amax < a:
+                amax, mx = a, x[b * 32 + j]
+        d = mx / np.float32(-8)
+        inv = np.float32(1) / d if d != 0 else np.float32(0)
+        h = f2h(d)
+        out[b * 18], out[b * 18 + 1] = np.uint8(h & 0xFF), np.uint8(h >> 8)
+        for j in range(16):
+            lo = min(15, I32(np.int8(I32(x[b * 32 + j] * inv + np.float32(8.5)))))
+            hi = min(15, I32(np.int8(I32(x[b * 32 + 16 + j] * inv + np.float32(8.5)))))
+            out[b * 18 + 2 + j] = np.uint8(lo | (hi << 4))
+
+
+@njit(parallel=True, cache=True)
+def q4_0_rows(x, out):
+    for r in prange(x.shape[0]):
+        q4_0_row(x[r], out[r])
 
 
 # ---------------------------------------------------------------- wrappers and registry

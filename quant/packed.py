@@ -192,7 +192,7 @@ def pack(type_id: int, raw: np.ndarray, out: np.ndarray | None = None, fill: boo
     return Packed(type_id, out, rows, nb * nv)
 
 
-def pack_file(f, names, groups=(), keep=None) -> dict:
+def pack_file(f, names, groups=(), keep=None, q4_0=frozenset()) -> dict:
     """The tensors of names that repack (supports()), into one buffer (large enough for the
     kernel's transparent huge pages: writing it costs a fault per 2 MB, not per 4 KB), their
     mapped pages released after. 0.5b: about 0.2 s for 395 MB. (Reading the file with read()
@@ -201,25 +201,35 @@ def pack_file(f, names, groups=(), keep=None) -> dict:
     repack to one type and width they are laid out one after the other, and the tuple maps to
     one Packed of all their rows: one kernel call, the input quantized once.
     keep: a store of derived bytes (models.derived: load/save) that maps the buffer a former
-    load wrote instead of packing again, keyed by this file, what is packed and this code."""
+    load wrote instead of packing again, keyed by this file, what is packed and this code.
+    q4_0: types whose matrices are requantized to Q4_0 first (quant.requantize: a draft's, see
+    runner.backends.numba_cpu.DRAFT_Q4_0), kept apart from the file's own repacking."""
+    from quant import requantize     # quant imports this module
     grouped = [n for g in groups for n in g]
-    todo = [(n, f.tensors[n].type_id, f.raw(n)) for n in grouped + [n for n in names if n not in grouped]]
-    todo = [(n, t, raw, packed_bytes(t, raw.shape)) for n, t, raw in todo if supports(t, raw.shape[0])]
+    todo = []
+    for n in grouped + [n for n in names if n not in grouped]:
+        t, raw, cols = f.tensors[n].type_id, f.raw(n), f.tensors[n].dims[0]
+        if t in q4_0 and cols % 32 == 0 and supports(T.Q4_0, raw.shape[0]):
+            todo.append((n, T.Q4_0, (raw.shape[0], cols // 32 * 18), functools.partial(requantize, t, raw, cols)))
+        elif supports(t, raw.shape[0]):
+            todo.append((n, t, raw.shape, lambda raw=raw: raw))
+    todo = [(n, t, shape, make, packed_bytes(t, shape)) for n, t, shape, make in todo]
     total = sum(size for *_, size in todo)
-    key = repr([_SOURCE_DIGEST, LAYOUT, [(n, t, raw.shape) for n, t, raw, _ in todo]])
-    arena = keep.load(f.path, "repacked", key, total) if keep else None
+    key = repr([_SOURCE_DIGEST, LAYOUT, [(n, t, shape) for n, t, shape, *_ in todo]])
+    kind = "repacked-q4_0" if q4_0 else "repacked"
+    arena = keep.load(f.path, kind, key, total) if keep else None
     out, span, at = {}, {}, 0
     fill = arena is None
     if fill:
         arena = np.empty(total, np.uint8)
-    for n, t, raw, size in todo:
-        out[n] = pack(t, raw, arena[at:at + size], fill)
+    for n, t, shape, make, size in todo:     # a kept buffer needs only the shape
+        out[n] = pack(t, make() if fill else np.broadcast_to(np.uint8(0), shape), arena[at:at + size], fill)
         if fill:
             f.release(n)
         span[n] = (at, at + size)
         at += size
     if fill and keep:
-        keep.save(f.path, "repacked", key, arena)
+        keep.save(f.path, kind, key, arena)
     for g in groups:
         ps = [out.get(n) for n in g]
         if all(ps) and len({(p.type_id, p.cols) for p in ps}) == 1:     # then adjacent, in order

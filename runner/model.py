@@ -84,9 +84,10 @@ class Model:
 
 
 def load(model: str, progress: catalog.Progress | None = None, threads: int | None = None,
-         flash: bool = True, cache_types: tuple[str, str] = ("f16", "f16"), backend: str = "numba") -> Model:
+         flash: bool = True, cache_types: tuple[str, str] = ("f16", "f16"), backend: str = "numba",
+         draft: bool = False) -> Model:
     """flash: llama.cpp's flash-attention arithmetic (its CPU default, -fa auto/on), else -fa off's.
-    backend: numba | mlx | auto (runner.backends.make)."""
+    backend: numba | mlx | auto (runner.backends.make). draft: a speculative draft's weights."""
     path = resolve(model, progress)
     try:
         f = open_gguf(path, _kept_strings(path))
@@ -106,7 +107,7 @@ def load(model: str, progress: catalog.Progress | None = None, threads: int | No
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     from runner import backends
     try:
-        be = backends.make(backend, f, cfg, flash, cache_types, progress)
+        be = backends.make(backend, f, cfg, flash, cache_types, progress, draft)
     except backends.BackendError as e:
         raise ModelError(str(e)) from None
     except (quant.UnsupportedType, GGUFError) as e:

@@ -103,16 +103,23 @@ def test_pack_file_maps_what_a_former_load_kept(home, tmp_path, monkeypatch):
     groups = [tuple(f"blk.{i}.attn_{x}.weight" for x in "qkv") for i in range(cfg.n_layer)]
     fresh = packed.pack_file(f, names, groups)
     first = packed.pack_file(open_gguf(path), names, groups, derived)      # packs, and keeps
+    # a draft's requantized copy: an entry of its own, which does not evict the file's
+    draft = packed.pack_file(open_gguf(path), names, groups, derived, {T.Q8_0})
     calls = []
     monkeypatch.setattr(packed, "_repack", lambda *a: calls.append(a))
     kept = packed.pack_file(open_gguf(path), names, groups, derived)       # maps, packs nothing
-    assert calls == [] and len(entries(home)) == 1
+    again = packed.pack_file(open_gguf(path), names, groups, derived, {T.Q8_0})
+    assert calls == [] and len(entries(home)) == 2
     assert fresh.keys() == first.keys() == kept.keys() and groups[0] in kept
     for k, p in fresh.items():
         for q in (first[k], kept[k]):
             assert (q.type_id, q.rows, q.cols) == (p.type_id, p.rows, p.cols)
             assert np.array_equal(q.data, p.data)
     assert isinstance(kept[names[0]].data.base, np.memmap) or isinstance(kept[names[0]].data, np.memmap)
+    assert draft.keys() == kept.keys()
+    for k, p in draft.items():
+        assert p.type_id == again[k].type_id == T.Q4_0 != kept[k].type_id
+        assert np.array_equal(p.data, again[k].data)
 
 
 def test_rm_forgets_the_models_entries(home, monkeypatch):

@@ -165,6 +165,24 @@ def test_quantize_round_trips_with_gguf(type_id, dtype):
     assert (np.abs(back - data) <= step).all()
 
 
+@pytest.mark.parametrize("type_id", [T.Q5_0, T.Q8_0, T.Q6_K, T.Q4_K, T.F16, T.F32], ids=lambda t: T(t).name)
+def test_requantize_to_q4_0_is_llamas(type_id):
+    """A draft's matrices: dequantized, then quantize_row_q4_0_ref's bytes (gguf-py's copy of
+    it), chunk by chunk (37 rows in chunks of 16: a short last chunk)."""
+    cols = 512
+    raw = random_blocks(type_id, 37, cols // gq.GGML_QUANT_SIZES[T(type_id)][0], np.random.default_rng(4))
+    got = quant.requantize(type_id, raw, cols, rows_per_chunk=16)
+    want = gq.quantize(gq.dequantize(raw, T(type_id)).reshape(37, cols), T.Q4_0)
+    np.testing.assert_array_equal(got, want)
+    # a block of zeros (of either sign): llama.cpp's max starts at +0, so d = 0 / -8 = -0
+    # (gguf-py takes the -0 itself and stores +0), and every code is 8
+    z = quant.requantize(type_id, np.zeros_like(raw[:1]), cols)
+    assert (z.reshape(-1, 18)[:, :2].view(np.float16).view(np.uint16) == 0x8000).all()
+    assert (z.reshape(-1, 18)[:, 2:] == 0x88).all()
+    with pytest.raises(quant.UnsupportedType, match="Q4_0 blocks of 32"):
+        quant.requantize(T.F32, np.zeros((2, 48 * 4), np.uint8), 48)
+
+
 def test_quantize_rejects_other_types():
     with pytest.raises(quant.UnsupportedType, match="Q8_0 or Q4_0"):
         quant.quantize(np.zeros((2, 32), np.float32), T.Q4_K)
@@ -267,7 +285,7 @@ def test_pack_file_fuses_groups_of_one_type():
     raws = {n: random_blocks(t, rows, 2, rng) for n, (t, rows) in shapes.items()}
 
     class File:
-        tensors = {n: type("Tensor", (), {"type_id": t}) for n, (t, _) in shapes.items()}
+        tensors = {n: type("Tensor", (), {"type_id": t, "dims": (512, rows)}) for n, (t, rows) in shapes.items()}
         released = []
         raw = staticmethod(raws.__getitem__)
         release = released.append

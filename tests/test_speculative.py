@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType
 
 import cli
 from gguf_io.testing import write_tiny_model
+from quant import packed
 from runner import speculative
 from runner.chat import ChatSession
 from runner.generate import Done, Notice, generate
@@ -172,12 +173,25 @@ def test_the_same_statistic_catches_a_wrong_rule(bigrams, kind, wrong, monkeypat
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A random target and its Q8_0 copy as the draft: mostly but not always the same argmax."""
+    """A random target and its Q8_0 copy as the draft (loaded as one: Q4_0 where the weights
+    repack, as the CLI loads a draft): mostly but not always the same argmax."""
     d = tmp_path_factory.mktemp("spec")
     target = load(str(write_tiny_model(d / "target.gguf", seed=1, n_ctx_train=1024)))
     draft = load(str(write_tiny_model(d / "draft.gguf", seed=1, n_ctx_train=1024,
-                                      weight_type=GGMLQuantizationType.Q8_0)))
+                                      weight_type=GGMLQuantizationType.Q8_0)), draft=True)
     return target, draft
+
+
+@pytest.mark.skipif(not packed.enabled(), reason="a draft is requantized where weights repack (AVX512-VNNI)")
+def test_a_draft_runs_its_wider_matrices_as_q4_0(tiny):
+    target, draft = tiny
+    as_file = load(str(draft.path))
+    mats = lambda m: [w for L in m.backend.layers for w in vars(L).values() if hasattr(w, "raw")] + [m.backend.output]
+    assert {(w.type_id, w.raw.type_id) for w in mats(as_file)} == {(GGMLQuantizationType.Q8_0,) * 2}
+    assert {(w.type_id, w.raw.type_id) for w in mats(draft)} == {(GGMLQuantizationType.Q4_0,) * 2}
+    ids = [1, 300, 301, 302]
+    a, b = (m.backend.forward(ids, m.make_cache(64)) for m in (as_file, draft))
+    assert not np.array_equal(a, b) and np.corrcoef(a.ravel(), b.ravel())[0, 1] > 0.9
 
 
 PROPOSERS = {
@@ -477,9 +491,9 @@ def qwen05():
 
 
 @pytest.mark.real
-def test_real_greedy_with_draft_is_plain_greedy(qwen05):
+def test_real_greedy_with_draft_is_plain_greedy():
     target = load("qwen2.5-coder:1.5b")
-    _check_real(target, DraftModel(target, qwen05, 512))
+    _check_real(target, DraftModel(target, load("qwen2.5-coder:0.5b", draft=True), 512))
 
 
 @pytest.mark.real

@@ -105,12 +105,14 @@ def first_run(flash: bool = True, cache_types: tuple[str, str] = ("f16", "f16"))
 
 
 def make(name: str, f, cfg, flash: bool = True, cache_types: tuple[str, str] = ("f16", "f16"),
-         progress=None) -> Backend:
-    """The backend called name ("auto": default()) for a validated file f and its config."""
+         progress=None, draft: bool = False) -> Backend:
+    """The backend called name ("auto": default()) for a validated file f and its config.
+    draft: the model only proposes tokens (speculative decoding): numba requantizes its wider
+    matrices to Q4_0 (runner.backends.numba_cpu.DRAFT_Q4_0); mlx runs the file's types."""
     name = default() if name == "auto" else name
     if name == "numba":
         from runner.backends.numba_cpu import NumbaCPU
-        return NumbaCPU(f, cfg, flash=flash, cache_types=cache_types)
+        return NumbaCPU(f, cfg, flash=flash, cache_types=cache_types, draft=draft)
     if name == "mlx":
         try:
             import mlx.core  # noqa: F401

@@ -9,6 +9,7 @@ from decimal import Decimal
 import numpy as np
 from numba import get_thread_id, njit, prange
 
+from quant.legacy import q4_0_row
 from quant.intrin import (add16, bits_f32, bits_f64, dotq4_row, dotq8_row, f2h, f32_bits, f64_bits, fma16, fma16h, fma32,
                           fma64, h2f, mul16, mul16h, pv16, pv_tile, scores16)
 
@@ -676,25 +677,6 @@ def q8_0_row(x, out):
         inv = f32(127) / amax if amax != 0 else f32(0)
         for j in range(32):
             out[b * 34 + 2 + j] = np.uint8(np.int32(np.rint(x[b * 32 + j] * inv)) & 0xFF)
-
-
-@njit(inline="always")
-def q4_0_row(x, out):
-    """x to block_q4_0 bytes as ggml's quantize_row_q4_0_ref: d = (value of largest
-    magnitude) / -8, codes min(15, trunc(x / d + 8.5)), low nibbles the first 16."""
-    for b in range(x.shape[0] // 32):
-        amax, mx = f32(0), f32(0)
-        for j in range(32):
-            a = abs(x[b * 32 + j])
-            if amax < a:
-                amax, mx = a, x[b * 32 + j]
-        d = mx / f32(-8)
-        inv = f32(1) / d if d != 0 else f32(0)
-        _put_f16(out, b * 18, d)
-        for j in range(16):
-            lo = min(15, np.int32(np.int8(np.int32(x[b * 32 + j] * inv + f32(8.5)))))
-            hi = min(15, np.int32(np.int8(np.int32(x[b * 32 + 16 + j] * inv + f32(8.5)))))
-            out[b * 18 + 2 + j] = np.uint8(lo | (hi << 4))
 
 
 @njit(cache=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
+from gguf import GGMLQuantizationType as T
 
 import quant
 from models import derived
@@ -25,6 +26,13 @@ from runner.kv_cache import CACHE_TYPES, PAGE, KVCache, LayerKV, PagedKV
 # tokens), and Q/K/V (gate/up) as one fused repacked matrix where they have one.
 SMALL_BATCH = quant.kquants.ROWS
 assert SMALL_BATCH == CHECK_ROWS   # the contract's exact verification size is this one
+
+# A draft's matrices of more than 4.5 bits a weight are requantized to Q4_0 at load (kept in
+# NUMBAT_HOME, as repacking is): a draft only proposes, the target's check keeps the output
+# exact, and the draft's steps are a third of a speculative round's time. The 0.5b (Q5_0,
+# Q8_0 and Q6_K layers) as the 1.5b's draft: 13.5 -> 9.5 ms a step, 3.55 -> 3.49 tokens a
+# check (BENCHMARKS.md, session 20).
+DRAFT_Q4_0 = frozenset({T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0, T.F16, T.BF16, T.F32})
 
 
 @dataclass
@@ -91,7 +99,7 @@ class NumbaCPU:
     name = "numba-cpu"
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig, chunk: int = 512, max_tokens: int | None = None,
-                 flash: bool = True, cache_types: tuple[str, str] = ("f16", "f16")):
+                 flash: bool = True, cache_types: tuple[str, str] = ("f16", "f16"), draft: bool = False):
         from gguf_io.validate import validate; validate(f, cfg)  # noqa: E702  untrusted file: shapes proven before any kernel runs
         # chunk: llama.cpp's batch size for one sequence's prompt; max_tokens: the most tokens
         # one run() takes (a batch engine's step: a prompt chunk and other sequences' tokens)
@@ -131,8 +139,8 @@ class NumbaCPU:
         def lin(name, bias=None):
             graph.require(f, name)
             t = f.tensors[name]
-            raw = packs.get(name)
-            return Linear(t.type_id, f.raw(name) if raw is None else raw, t.dims[0], t.dims[1],
+            raw = packs.get(name)       # a draft's may have another type than the file's
+            return Linear(t.type_id if raw is None else raw.type_id, f.raw(name) if raw is None else raw, t.dims[0], t.dims[1],
                           vec(bias) if bias else None)
 
         def fused(names, biases):
@@ -150,7 +158,7 @@ class NumbaCPU:
         packs = quant.packed.pack_file(f, [n for n, t in f.tensors.items() if len(t.dims) == 2 and
                                            (n != "token_embd.weight" or cfg.tied_output)],
                                        [g(i) for i in range(cfg.n_layer) for g in (qkv, gate_up)
-                                        if all(n in f.tensors for n in g(i))], derived)
+                                        if all(n in f.tensors for n in g(i))], derived, DRAFT_Q4_0 if draft else ())
 
         # llama 3 files carry per-pair rope frequency divisors
         freq_factors = vec("rope_freqs.weight")
@@ -227,7 +235,10 @@ class NumbaCPU:
         if isinstance(ids, (int, np.integer)):
             return _Head(self.output.first(int(ids)))
         r = self.output_rows
-        return _Head(Linear(r.type_id, np.ascontiguousarray(r.raw[ids]), r.n_in, len(ids)))
+        rows = np.ascontiguousarray(r.raw[ids])
+        if self.output.type_id != r.type_id:     # a draft's requantized head: the same values
+            return _Head(Linear(self.output.type_id, quant.requantize(r.type_id, rows, r.n_in), r.n_in, len(ids)))
+        return _Head(Linear(r.type_id, rows, r.n_in, len(ids)))
 
     # ---- the ops graph.run calls: in place over the buffers of _alloc, views returned
 
