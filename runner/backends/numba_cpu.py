@@ -30,7 +30,7 @@ assert SMALL_BATCH == CHECK_ROWS   # the contract's exact verification size is t
 # A draft's matrices of more than 4.5 bits a weight are requantized to Q4_0 at load (kept in
 # NUMBAT_HOME, as repacking is): a draft only proposes, the target's check keeps the output
 # exact, and the draft's steps are a third of a speculative round's time. The 0.5b (Q5_0,
-# Q8_0 and Q6_K layers) as the 1.5b's draft: 13.5 -> 9.5 ms a step, 3.55 -> 3.49 tokens a
+# Q8_0 and Q6_K layers) as the 1.5b's draft: 13.4 -> 9.4 ms a step, 3.55 -> 3.49 tokens a
 # check (BENCHMARKS.md, session 20).
 DRAFT_Q4_0 = frozenset({T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0, T.F16, T.BF16, T.F32})
 
