@@ -117,7 +117,7 @@ def requantize(type_id: int, raw: np.ndarray, n_cols: int, rows_per_chunk: int =
     loop, 6x gguf-py's speed: the 0.5b in 2.3 s instead of 5.5, once per file)."""
     if n_cols % 32:
         raise UnsupportedType(f"rows of {n_cols} values do not fit Q4_0 blocks of 32")
-    out = np.empty((raw.shape[0], n_cols // 32 * 18), np.uint8)
+    out = np.empty((raw.shape[0], qtype(T.Q4_0).row_bytes(n_cols)), np.uint8)
     buf = np.empty((min(rows_per_chunk, raw.shape[0]), n_cols), np.float32)
     for r0 in range(0, raw.shape[0], rows_per_chunk):
         x = buf[:min(rows_per_chunk, raw.shape[0] - r0)]

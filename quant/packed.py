@@ -204,13 +204,13 @@ def pack_file(f, names, groups=(), keep=None, q4_0=frozenset()) -> dict:
     load wrote instead of packing again, keyed by this file, what is packed and this code.
     q4_0: types whose matrices are requantized to Q4_0 first (quant.requantize: a draft's, see
     runner.backends.numba_cpu.DRAFT_Q4_0), kept apart from the file's own repacking."""
-    from quant import requantize     # quant imports this module
+    from quant import qtype, requantize     # quant imports this module
     grouped = [n for g in groups for n in g]
     todo = []
     for n in grouped + [n for n in names if n not in grouped]:
         t, raw, cols = f.tensors[n].type_id, f.raw(n), f.tensors[n].dims[0]
         if t in q4_0 and cols % 32 == 0 and supports(T.Q4_0, raw.shape[0]):
-            todo.append((n, T.Q4_0, (raw.shape[0], cols // 32 * 18), functools.partial(requantize, t, raw, cols)))
+            todo.append((n, T.Q4_0, (raw.shape[0], qtype(T.Q4_0).row_bytes(cols)), functools.partial(requantize, t, raw, cols)))
         elif supports(t, raw.shape[0]):
             todo.append((n, t, raw.shape, lambda raw=raw: raw))
     todo = [(n, t, shape, make, packed_bytes(t, shape)) for n, t, shape, make in todo]

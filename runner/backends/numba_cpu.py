@@ -139,9 +139,9 @@ class NumbaCPU:
         def lin(name, bias=None):
             graph.require(f, name)
             t = f.tensors[name]
-            raw = packs.get(name)       # a draft's may have another type than the file's
-            return Linear(t.type_id if raw is None else raw.type_id, f.raw(name) if raw is None else raw, t.dims[0], t.dims[1],
-                          vec(bias) if bias else None)
+            p = packs.get(name)         # a draft's may have another type than the file's
+            type_id, raw = (t.type_id, f.raw(name)) if p is None else (p.type_id, p)
+            return Linear(type_id, raw, t.dims[0], t.dims[1], vec(bias) if bias else None)
 
         def fused(names, biases):
             """One Linear for matrices of one type that share their input (decode and
