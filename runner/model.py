@@ -8,18 +8,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import quant  # first: it sets the OpenMP wait policy before numba starts its threads
+import numpy as np
 import gguf_io.reader
 import gguf_io.validate
 from gguf_io import GGUFError, GGUFFile, open_gguf
 from gguf_io.config import ModelConfig, config_from_gguf
 from gguf_io.validate import validate
 from models import catalog, derived
+import runner.tokenizer
 from runner.chat_template import ChatTemplate
 from runner.tokenizer import Tokenizer
 
 DEFAULT_CTX = 4096
 # what kept string arrays depend on: how the reader decodes them and what validation proved
 _STRINGS_KEY = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (gguf_io.reader, gguf_io.validate))).hexdigest()
+_MERGES_KEY = hashlib.sha256(Path(runner.tokenizer.__file__).read_bytes()).hexdigest()
 
 
 def _kept_strings(path: Path) -> dict | None:
@@ -97,10 +100,14 @@ def load(model: str, progress: catalog.Progress | None = None, threads: int | No
         raise ModelError(str(e)) from None
     if f.string_arrays:     # decoded and validated now: kept for the next load
         derived.keep_value(path, "strings", _STRINGS_KEY, f.string_arrays)
+    kept = derived.load_value(path, "merges", _MERGES_KEY)
+    kept = np.frombuffer(kept, np.int32).reshape(-1, 3) if isinstance(kept, bytes) and len(kept) % 12 == 0 else None
     try:
-        tok = Tokenizer.from_metadata(f.metadata)
+        tok = Tokenizer.from_metadata(f.metadata, kept)
     except ValueError as e:
         raise ModelError(f"{path}: {e}") from None
+    if tok.merges is not kept:      # made now: kept for the next load
+        derived.keep_value(path, "merges", _MERGES_KEY, tok.merges.tobytes())
     template = ChatTemplate.from_metadata(f.metadata)
     if threads:
         import numba

@@ -21,8 +21,7 @@ Such text still round-trips.
 from __future__ import annotations
 
 import codecs
-import hashlib
-import json
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -76,9 +75,6 @@ _FIM_EOG_TEXTS = (("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
                   ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
                   ("<|file_sep|>",))
 
-_CACHE_FORMAT = "numbat-spm-1"   # bump when the built SPM tokenizer changes
-
-
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet: printable stand-in character -> the byte it encodes."""
     keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
@@ -103,7 +99,7 @@ class Tokenizer:
     add_bos: bool
     add_eos: bool
     add_space_prefix: bool
-    _model: HFTokenizer = field(repr=False)
+    _encoder: _Encoder = field(repr=False)
     _hidden: frozenset[int] = field(repr=False)              # CONTROL/UNKNOWN: print only when asked
     _pieces: _Pieces = field(repr=False)                     # bytes each token stands for
     _special: list[tuple[str, int, bool]] = field(repr=False)  # (text, id, hidden), longest first
@@ -119,7 +115,8 @@ class Tokenizer:
         return self._pieces[token_id]
 
     @classmethod
-    def from_metadata(cls, meta: Mapping) -> Tokenizer:
+    def from_metadata(cls, meta: Mapping, merges: np.ndarray | None = None) -> Tokenizer:
+        """merges: this vocabulary's merge table (Tokenizer.merges) kept from an earlier load."""
         model = meta.get("tokenizer.ggml.model")
         if model not in MODELS:
             raise ValueError(f"unsupported tokenizer.ggml.model {model!r}: numbat supports "
@@ -128,17 +125,23 @@ class Tokenizer:
         n = len(tokens)
         types = np.asarray(meta.get("tokenizer.ggml.token_type", np.full(n, NORMAL)), dtype=np.int32)
         index = {t: i for i, t in enumerate(tokens)}
+        if merges is not None and not (merges.ndim == 2 and merges.shape[1] == 3 and merges.dtype == np.int32
+                                       and (merges >= 0).all() and (merges < n).all()):
+            merges = None       # not this vocabulary's: made again
         if model == "gpt2":
             pre_name = meta.get("tokenizer.ggml.pre", "default")
             pre = PRE_TOKENIZERS.get(pre_name)
             if pre is None:
                 raise ValueError(f"unsupported tokenizer.ggml.pre {pre_name!r} for a BPE vocabulary: "
                                  f"numbat supports {', '.join(PRE_TOKENIZERS)}")
-            hf = _build_bpe(index, meta["tokenizer.ggml.merges"], pre)
+            if merges is None:
+                merges = _bpe_merges(index, meta["tokenizer.ggml.merges"])
+            encoder = _Encoder(tokens, index, merges, pre)
             kind, defaults = "bpe", dict(bos=11, eos=11, add_bos=pre is _LLAMA3, prefix=False)
         else:
-            scores = np.asarray(meta.get("tokenizer.ggml.scores", np.zeros(n)), dtype=np.float32)
-            hf = _cached_spm(tokens, scores)
+            if merges is None:
+                merges = _spm_merges(tokens, np.asarray(meta.get("tokenizer.ggml.scores", np.zeros(n)), np.float32))
+            encoder = _Encoder(tokens, index, merges, None)
             kind, defaults = "spm", dict(bos=1, eos=2, add_bos=True, prefix=True)
 
         def special_id(key: str, default: int | None) -> int | None:
@@ -164,7 +167,7 @@ class Tokenizer:
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", defaults["add_bos"])),
             add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", defaults["prefix"])),
-            _model=hf, _hidden=hidden, _pieces=_Pieces(tokens, types, hidden | user_defined, kind),
+            _encoder=encoder, _hidden=hidden, _pieces=_Pieces(tokens, types, hidden | user_defined, kind),
             _special=special,
         )
 
@@ -201,20 +204,25 @@ class Tokenizer:
     def encode_fragments(self, frags: Iterable[str | int], add_bos: bool | None = None,
                          add_eos: bool | None = None) -> list[int]:
         """Tokenize partitioned text: ids pass through, each text piece is tokenized alone."""
-        ids = [self.bos_id] if (self.add_bos if add_bos is None else add_bos) else []
-        prev_special = True   # SPM prefixes a space to text at the start and after a token
+        parts, prev_special = [], True   # SPM prefixes a space to text at the start and after a token
         for frag in frags:
-            if isinstance(frag, int):
-                ids.append(frag)
-                prev_special = True
-                continue
-            if self.kind == "spm":
+            if not isinstance(frag, int) and self.kind == "spm":
                 frag = ((" " if self.add_space_prefix and prev_special else "") + frag).replace(" ", "▁")
-            ids.extend(self._model.encode(frag, add_special_tokens=False).ids)
-            prev_special = False
+            parts.append(frag)
+            prev_special = isinstance(frag, int)
+        model = self._encoder.model([p for p in parts if not isinstance(p, int)])
+        ids = [self.bos_id] if (self.add_bos if add_bos is None else add_bos) else []
+        for part in parts:
+            ids.extend([part] if isinstance(part, int) else model.encode(part, add_special_tokens=False).ids)
         if self.add_eos if add_eos is None else add_eos:
             ids.append(self.eos_id)
         return ids
+
+    @property
+    def merges(self) -> np.ndarray:
+        """The merge table, (n, 3) int32 rows (left, right, merged id) by rank: for a later load
+        of the same vocabulary (making it took 0.1 s for the qwen2.5 files, seconds for gemma3's)."""
+        return self._encoder.merges
 
     # -- decoding --------------------------------------------------------------------------
 
@@ -281,48 +289,83 @@ class _Pieces:
         return bytes(byte_of[c] for c in text) if all(c in byte_of for c in text) else text.encode()
 
 
-def _build_bpe(index: dict[str, int], merges: Sequence[str], pre: _Pre) -> HFTokenizer:
-    pairs = []
+PARTIAL_MAX = 100_000    # substrings a text may have for the partial model (~20 ms of lookups)
+WHOLE_AFTER = 0.3        # seconds of partial models after which the whole one is built (~its cost)
+
+
+class _Encoder:
+    """The `tokenizers` BPE model a text is encoded with. Building it over a whole vocabulary
+    takes 0.15-0.3 s for 152k tokens (1.4 s for gemma3's 262k from a kept JSON), a fifth of
+    a one-shot prompt's process, so a text of PARTIAL_MAX substrings or fewer gets a model of
+    only the tokens that are substrings of its words and the merges that make them, built in
+    milliseconds. The ids are the same: every merge that can apply inside a word makes a
+    substring of it, the partial model keeps those merges in the same order of rank, and a
+    substring is a token there if and only if it is one in the vocabulary. A longer text,
+    or partial models that have taken as long as a whole one (a batch file's many prompts),
+    build the whole model once, kept for every later text."""
+
+    def __init__(self, tokens: list[str], index: dict[str, int], merges: np.ndarray, pre: _Pre | None):
+        self.tokens, self.index, self.merges, self.pre = tokens, index, merges, pre
+        self.whole: HFTokenizer | None = None
+        self.spent = 0.0        # seconds spent on partial models
+        self.longest = max(map(len, tokens), default=1)
+        # SPM's byte fallback may emit any byte token; BPE's words are made of vocab tokens
+        self.always = [index[t] for t in (f"<0x{b:02X}>" for b in range(256)) if t in index] if pre is None else []
+        self.splitter = pre and pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+    def model(self, texts: list[str]) -> HFTokenizer:
+        if self.whole is not None:
+            return self.whole
+        words = {w for t in texts for w, _ in self.splitter.pre_tokenize_str(t)} if self.splitter else set(texts)
+        longest = self.longest
+        if sum(len(w) * min(len(w), longest) for w in words) > PARTIAL_MAX or self.spent > WHOLE_AFTER:
+            self.whole = self._build(self.index, self.merges)
+            return self.whole
+        start, index = time.perf_counter(), self.index
+        ids = {index[s] for w in words for i in range(len(w)) for j in range(i + 1, min(len(w), i + longest) + 1)
+               if (s := w[i:j]) in index}
+        ids.update(self.always)
+        member = np.zeros(len(self.tokens), np.bool_)
+        member[list(ids)] = True
+        hf = self._build({self.tokens[i]: i for i in ids}, self.merges[member[self.merges[:, 2]]])
+        self.spent += time.perf_counter() - start
+        return hf
+
+    def _build(self, vocab: dict[str, int], merges: np.ndarray) -> HFTokenizer:
+        t = self.tokens
+        pairs = [(t[a], t[b]) for a, b, _ in merges.tolist()]
+        if self.pre is None:        # SentencePiece
+            return HFTokenizer(models.BPE(vocab, pairs, byte_fallback=True))
+        hf = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=self.pre.ignore_merges))
+        hf.pre_tokenizer = self.splitter
+        return hf
+
+
+def _bpe_merges(index: dict[str, int], merges: Sequence[str]) -> np.ndarray:
+    """The merge table of tokenizer.ggml.merges ("left right" strings, by rank)."""
+    rows = []
     for m in merges:
         k = m.find(" ", 1)   # the first space after the first character separates the pair
-        pairs.append((m[:k], m[k + 1:]))
-    hf = HFTokenizer(models.BPE(index, pairs, ignore_merges=pre.ignore_merges))
-    hf.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    return hf
+        a, b = m[:k], m[k + 1:]
+        if k < 0 or a not in index or b not in index or a + b not in index:
+            raise ValueError(f"tokenizer.ggml.merges entry {len(rows)} ({m[:40]!r}) is not two tokens "
+                             f"that merge into a third")
+        rows.append((index[a], index[b], index[a + b]))
+    return np.array(rows, np.int32).reshape(-1, 3)
 
 
-def _build_spm(tokens: Sequence[str], scores: np.ndarray) -> HFTokenizer:
-    """BPE with byte fallback that merges like SentencePiece: the highest-scoring token first."""
+def _spm_merges(tokens: Sequence[str], scores: np.ndarray) -> np.ndarray:
+    """SentencePiece's merges as a BPE table: every split of a token into two tokens, the
+    highest-scoring token first (its splits by their halves' scores), so that BPE merges
+    like SentencePiece."""
     index = {t: i for i, t in enumerate(tokens)}
     score = scores.tolist()
     merges = []
     for i, t in enumerate(tokens):
-        splits = [(t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in index and t[k:] in index]
-        splits.sort(key=lambda p: (score[index[p[0]]], score[index[p[1]]]), reverse=True)
-        merges.extend((score[i], a, b) for a, b in splits)
+        splits = [(index[t[:k]], index[t[k:]]) for k in range(1, len(t)) if t[:k] in index and t[k:] in index]
+        splits.sort(key=lambda p: (score[p[0]], score[p[1]]), reverse=True)
+        merges.extend((score[i], a, b, i) for a, b in splits)
     merges.sort(key=lambda m: m[0], reverse=True)   # stable: ties keep vocab order
-    return HFTokenizer(models.BPE(index, [(a, b) for _, a, b in merges], byte_fallback=True))
-
-
-def _cached_spm(tokens: Sequence[str], scores: np.ndarray) -> HFTokenizer:
-    """Building takes seconds for a 262k vocab, so the result is kept under NUMBAT_HOME."""
-    from models.catalog import home
-    from models.derived import write_atomic
-
-    digest = hashlib.sha256(_CACHE_FORMAT.encode())
-    digest.update(json.dumps(list(tokens), ensure_ascii=False).encode())
-    digest.update(np.ascontiguousarray(scores, dtype="<f4").tobytes())
-    path = home() / "tokenizers" / f"spm-{digest.hexdigest()[:32]}.json"
-    if path.is_file():
-        try:
-            return HFTokenizer.from_file(str(path))
-        except Exception:   # a damaged cache file is rebuilt below
-            pass
-    hf = _build_spm(tokens, scores)
-    try:
-        write_atomic(path, hf.to_str().encode())
-    except OSError:     # an unwritable NUMBAT_HOME: the tokenizer still works, built again next time
-        pass
-    return hf
+    return np.array([m[1:] for m in merges], np.int32).reshape(-1, 3)

@@ -25,7 +25,7 @@ def real(request):
 
     meta = open_gguf(fetch(request.param)).metadata
     fixture = json.loads((FIXTURES / REAL[request.param]).read_text(encoding="utf-8"))
-    return Tokenizer.from_metadata(meta), fixture
+    return Tokenizer.from_metadata(meta), dict(fixture, meta=meta)
 
 
 @pytest.mark.real
@@ -42,6 +42,19 @@ def test_eog_and_control_tokens_match_llama_cpp(real):
     assert sorted(tok.eog_ids) == fx["eog_ids"]
     assert len(tok.control) == fx["n_control"]
     assert tok.eos_id in tok.eog_ids and all(tok.is_control(i) for i in tok.eog_ids)
+
+
+@pytest.mark.real
+def test_partial_and_whole_models_agree(real):
+    """Texts short enough take a model of their own substrings (runner.tokenizer._Encoder):
+    the same ids as the whole vocabulary's model, the fixtures' llama.cpp ids above."""
+    tok, fx = real
+    texts = [c["text"] for c in fx["texts"]] + EXTRA_TEXTS + ["x" * 700, "def f(x):\n    return x ** 2\n" * 40]
+    fresh = Tokenizer.from_metadata(fx["meta"], tok.merges)
+    ids = [fresh.encode(t, special=True) for t in texts]
+    assert fresh._encoder.whole is None
+    whole = _whole(Tokenizer.from_metadata(fx["meta"], tok.merges))
+    assert ids == [whole.encode(t, special=True) for t in texts]
 
 
 @pytest.mark.real
@@ -157,15 +170,42 @@ def test_token_types_decide_splitting(home):
     assert tok.is_control(ctl) and not tok.is_control(ud)
 
 
-def test_spm_build_is_cached_atomically(home, monkeypatch):
-    meta, other = _spm_meta(), _spm_meta()
-    other["tokenizer.ggml.scores"] = other["tokenizer.ggml.scores"] * 2
+def test_a_kept_merge_table_is_taken_and_a_wrong_one_made_again(home, monkeypatch):
+    meta = _spm_meta()
     first = Tokenizer.from_metadata(meta)
-    Tokenizer.from_metadata(other)   # a different vocabulary gets its own entry
-    files = sorted((home / "tokenizers").iterdir())
-    assert len(files) == 2 and all(f.suffix == ".json" for f in files)   # no temporary files left
-    monkeypatch.setattr(tk, "_build_spm", lambda *a: pytest.fail("rebuilt despite the cache"))
-    assert Tokenizer.from_metadata(meta).encode("abc ab") == first.encode("abc ab")
+    assert first.merges.dtype == np.int32 and first.merges.shape[1] == 3 and len(first.merges)
+    made = []
+    real = tk._spm_merges
+    monkeypatch.setattr(tk, "_spm_merges", lambda *a: made.append(1) or real(*a))
+    assert Tokenizer.from_metadata(meta, first.merges).encode("abc ab") == first.encode("abc ab") and not made
+    for bad in (first.merges[:, :2].copy(), first.merges.astype(np.int64), first.merges + len(meta["tokenizer.ggml.tokens"])):
+        again = Tokenizer.from_metadata(meta, bad)
+        assert np.array_equal(again.merges, first.merges) and again.encode("abc ab") == first.encode("abc ab")
+    assert len(made) == 3
+
+
+def test_bad_merges_are_a_clear_error():
+    with pytest.raises(ValueError, match=r"merges entry 1 \('x y'\) is not two tokens"):
+        Tokenizer.from_metadata(_bpe_meta(**{"tokenizer.ggml.merges": ["Ġ t", "x y"]}))
+
+
+def _whole(tok: Tokenizer) -> Tokenizer:
+    """tok with the model of its whole vocabulary built (as a text past PARTIAL_MAX builds it)."""
+    tok._encoder.model(["x" * (tk.PARTIAL_MAX + 1)])
+    assert tok._encoder.whole is not None
+    return tok
+
+
+def test_partial_models_give_the_whole_models_ids(home):
+    """A short text is encoded with the tokens and merges of its own substrings only."""
+    for meta, texts in ((_spm_meta(), ["abc abz", "ab", "bcé a", "zzz"]),
+                        (_bpe_meta(), [" the 12 é", "1234 the", "they"]), (_bpe_meta("llama-bpe"), ["123 the the"])):
+        part, whole = Tokenizer.from_metadata(meta), _whole(Tokenizer.from_metadata(meta))
+        assert [part.encode(t) for t in texts] == [whole.encode(t) for t in texts]
+        assert part._encoder.whole is None       # every text above went through a partial model
+        long = "ab" * tk.PARTIAL_MAX     # one word of more than PARTIAL_MAX substrings
+        assert part.encode(long) == whole.encode(long)
+        assert part._encoder.whole is not None   # it builds the whole model, kept for the next
 
 
 def _bpe_meta(pre="qwen2", **extra):
