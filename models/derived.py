@@ -3,7 +3,7 @@ them instead of computing them again: the weights repacked for the VNNI kernels 
 Repacking a 0.5b file takes ~1 s of every start and faults in a fresh 395 MB buffer; mapping
 the kept copy takes milliseconds, and the weights stay memory-mapped, as the file's are. And
 the tokenizer's string arrays as an earlier load decoded and validated them (runner.model):
-marshal reads them back in a fifth of the time the GGUF walk takes.
+marshal reads them back in a fifth of the time the GGUF walk takes; and its merge table.
 
 An entry is named by what it was made from: the model file's path, size, mtime and inode, and
 a key from its maker (the layout and the code that wrote it). A changed or removed model file,
