@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf_io.types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAGIC = b"GGUF"
 MAX_DIMS = 4   # GGML_MAX_DIMS

@@ -16,7 +16,7 @@ import math
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType as T
+from gguf_io.types import GGMLQuantizationType as T
 
 from gguf_io.config import ModelConfig, _show
 from gguf_io.reader import GGUFError, GGUFFile

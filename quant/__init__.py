@@ -5,8 +5,7 @@ from __future__ import annotations
 import runner.env  # noqa: F401  (thread-pool defaults, before numpy loads OpenBLAS)
 
 import numpy as np  # noqa: E402
-from gguf import GGMLQuantizationType as T
-from gguf import quants as gq
+from gguf_io.types import GGMLQuantizationType as T
 
 from quant import cpu, floats, gemm8, kquants, legacy, packed
 from quant.common import QType
@@ -104,6 +103,7 @@ def quantize(data: np.ndarray, type_id: int, rows_per_chunk: int = 1024) -> np.n
     q = qtype(type_id)
     if data.shape[-1] % q.block_size:
         raise UnsupportedType(f"rows of {data.shape[-1]} values do not fit {q.name} blocks of {q.block_size}")
+    from gguf import quants as gq     # not at import: the gguf package takes 65 ms to import
     out = np.empty((data.shape[0], q.row_bytes(data.shape[1])), np.uint8)
     for r0 in range(0, data.shape[0], rows_per_chunk):
         out[r0:r0 + rows_per_chunk] = gq.quantize(np.asarray(data[r0:r0 + rows_per_chunk], np.float32), T(type_id))

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 
 import llvmlite.binding as llvm
-from gguf import GGMLQuantizationType as T
+from gguf_io.types import GGMLQuantizationType as T
 
 LEGACY = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
 K_QUANTS = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})

@@ -3,7 +3,7 @@ numba has no float16 arithmetic on the CPU."""
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as T
+from gguf_io.types import GGMLQuantizationType as T
 from numba import njit, prange
 
 from quant.common import F16, QType, readonly

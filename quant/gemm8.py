@@ -24,7 +24,7 @@ GFLOP/s on the same shapes (BENCHMARKS.md).
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as T
+from gguf_io.types import GGMLQuantizationType as T
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils

@@ -35,7 +35,7 @@ four rows sharing x ran out of registers for their 32 broadcast scales and were 
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as T
+from gguf_io.types import GGMLQuantizationType as T
 from numba import njit, prange
 
 from quant.act import quantize_q8_K, roundtrip_q8_K

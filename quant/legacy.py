@@ -14,7 +14,7 @@ shaped for LLVM, and BENCHMARKS.md for the rates.
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as T
+from gguf_io.types import GGMLQuantizationType as T
 from numba import njit, prange, types
 
 from quant.common import F16, QType, readonly

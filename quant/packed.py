@@ -43,7 +43,7 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType as T
+from gguf_io.types import GGMLQuantizationType as T
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils

@@ -442,3 +442,23 @@ def test_string_arrays_decode_each_string_alone(tmp_path):
     with_nul = raw + [b"a\0", b"\0\0\0\0\0\0\0\0\0b"]
     assert write_strings(tmp_path / "b.gguf", with_nul) == [x.decode("utf-8", errors="replace") for x in with_nul]
     assert write_strings(tmp_path / "c.gguf", []) == []
+
+
+def test_our_type_table_is_gguf_pys():
+    """gguf_io.types holds GGML's type ids, names and block sizes so that a start need not
+    import the gguf package: the same ids, names and sizes as gguf-py's (a type added to
+    gguf-py later is one numbat cannot run; it is named by its id)."""
+    from gguf_io import types
+    assert len(types.GGMLQuantizationType) >= 34
+    for ours in types.GGMLQuantizationType:
+        t = T(ours.value)
+        assert ours.name == t.name and types.GGML_QUANT_SIZES[ours] == GGML_QUANT_SIZES[t], t.name
+
+
+def test_a_start_does_not_import_the_gguf_package():
+    """Importing gguf builds the enums of every architecture and tensor name (65 ms of every
+    start); loading a model and running it needs only gguf_io.types."""
+    code = ("import sys; sys.modules.setdefault('scipy', None); import cli, runner.model, runner.generate, "
+            "runner.speculative, runner.backends.numba_cpu, quant; print('gguf' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -35,7 +35,7 @@ from typing import Iterator
 
 import mlx.core as mx
 import numpy as np
-from gguf import GGMLQuantizationType as T
+from gguf_io.types import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
 from gguf_io.config import ModelConfig

@@ -67,8 +67,8 @@ from typing import Callable
 
 import mlx.core as mx
 import numpy as np
-from gguf import GGML_QUANT_SIZES
-from gguf import GGMLQuantizationType as T
+from gguf_io.types import GGML_QUANT_SIZES
+from gguf_io.types import GGMLQuantizationType as T
 
 from quant import UnsupportedType
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
-from gguf import GGMLQuantizationType as T
+from gguf_io.types import GGMLQuantizationType as T
 
 import quant
 from models import derived
