@@ -55,6 +55,13 @@ def test_partial_and_whole_models_agree(real):
     assert fresh._encoder.whole is None
     whole = _whole(Tokenizer.from_metadata(fx["meta"], tok.merges))
     assert ids == [whole.encode(t, special=True) for t in texts]
+    # and on random mixtures of the fixtures' characters, code, digits, spaces and specials
+    rng = np.random.default_rng(0)
+    chars = sorted(set("".join(texts[:-2]))) + list(" \n\t0123456789") + ["<|im_start|>", "<end_of_turn>", "  ", "\u00e9t\u00e9"]
+    for _ in range(150):
+        text = "".join(rng.choice(chars, size=int(rng.integers(1, 80))))
+        assert fresh.encode(text, special=True) == whole.encode(text, special=True), repr(text)
+    assert fresh._encoder.whole is None
 
 
 @pytest.mark.real
