@@ -75,6 +75,7 @@ _FIM_EOG_TEXTS = (("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
                   ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
                   ("<|file_sep|>",))
 
+
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet: printable stand-in character -> the byte it encodes."""
     keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
@@ -210,7 +211,8 @@ class Tokenizer:
                 frag = ((" " if self.add_space_prefix and prev_special else "") + frag).replace(" ", "▁")
             parts.append(frag)
             prev_special = isinstance(frag, int)
-        model = self._encoder.model([p for p in parts if not isinstance(p, int)])
+        texts = [p for p in parts if not isinstance(p, int)]
+        model = self._encoder.model(texts) if texts else None
         ids = [self.bos_id] if (self.add_bos if add_bos is None else add_bos) else []
         for part in parts:
             ids.extend([part] if isinstance(part, int) else model.encode(part, add_special_tokens=False).ids)
