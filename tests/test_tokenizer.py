@@ -45,9 +45,10 @@ def test_eog_and_control_tokens_match_llama_cpp(real):
 
 
 @pytest.mark.real
-def test_partial_and_whole_models_agree(real):
+def test_partial_and_whole_models_agree(real, monkeypatch):
     """Texts short enough take a model of their own substrings (runner.tokenizer._Encoder):
     the same ids as the whole vocabulary's model, the fixtures' llama.cpp ids above."""
+    monkeypatch.setattr(tk, "WHOLE_AFTER", float("inf"))    # partial models throughout, however slow the machine
     tok, fx = real
     texts = [c["text"] for c in fx["texts"]] + EXTRA_TEXTS + ["x" * 700, "def f(x):\n    return x ** 2\n" * 40]
     fresh = Tokenizer.from_metadata(fx["meta"], tok.merges)
@@ -203,8 +204,9 @@ def _whole(tok: Tokenizer) -> Tokenizer:
     return tok
 
 
-def test_partial_models_give_the_whole_models_ids(home):
+def test_partial_models_give_the_whole_models_ids(home, monkeypatch):
     """A short text is encoded with the tokens and merges of its own substrings only."""
+    monkeypatch.setattr(tk, "WHOLE_AFTER", float("inf"))
     for meta, texts in ((_spm_meta(), ["abc abz", "ab", "bcé a", "zzz"]),
                         (_bpe_meta(), [" the 12 é", "1234 the", "they"]), (_bpe_meta("llama-bpe"), ["123 the the"])):
         part, whole = Tokenizer.from_metadata(meta), _whole(Tokenizer.from_metadata(meta))
@@ -255,3 +257,14 @@ def test_stream_decoder_holds_partial_characters():
     assert stream.flush() == ""
     stream = tok.stream()
     assert stream.add(ids[2]) == "" and stream.flush() == "\ufffd"   # a cut-off character at the end
+
+
+def test_partial_models_give_way_to_the_whole_one_after_their_time(home, monkeypatch):
+    """Many texts (a batch file's prompts): once the partial models have cost WHOLE_AFTER
+    seconds in all, the whole model is built and kept."""
+    monkeypatch.setattr(tk, "WHOLE_AFTER", 0.0)
+    tok = Tokenizer.from_metadata(_bpe_meta())
+    first = tok.encode(" the 12")
+    assert tok._encoder.whole is None and tok._encoder.spent > 0
+    assert tok.encode(" the 12") == first and tok._encoder.whole is not None
+
