@@ -141,7 +141,7 @@ class Tokenizer:
             kind, defaults = "bpe", dict(bos=11, eos=11, add_bos=pre is _LLAMA3, prefix=False)
         else:
             if merges is None:
-                merges = _spm_merges(tokens, np.asarray(meta.get("tokenizer.ggml.scores", np.zeros(n)), np.float32))
+                merges = _spm_merges(tokens, index, np.asarray(meta.get("tokenizer.ggml.scores", np.zeros(n)), np.float32))
             encoder = _Encoder(tokens, index, merges, None)
             kind, defaults = "spm", dict(bos=1, eos=2, add_bos=True, prefix=True)
 
@@ -358,11 +358,10 @@ def _bpe_merges(index: dict[str, int], merges: Sequence[str]) -> np.ndarray:
     return np.array(rows, np.int32).reshape(-1, 3)
 
 
-def _spm_merges(tokens: Sequence[str], scores: np.ndarray) -> np.ndarray:
+def _spm_merges(tokens: Sequence[str], index: dict[str, int], scores: np.ndarray) -> np.ndarray:
     """SentencePiece's merges as a BPE table: every split of a token into two tokens, the
     highest-scoring token first (its splits by their halves' scores), so that BPE merges
-    like SentencePiece."""
-    index = {t: i for i, t in enumerate(tokens)}
+    like SentencePiece. index: token -> id, as from_metadata made it."""
     score = scores.tolist()
     merges = []
     for i, t in enumerate(tokens):
