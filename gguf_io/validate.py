@@ -31,6 +31,11 @@ MAX_EMBD = 1 << 17
 MAX_FF = 1 << 20
 MAX_VOCAB = 1 << 22
 MAX_CTX = 1 << 24
+# the tokenizer's work at a first load grows with its tokens' lengths (the SentencePiece merge
+# table tries every split of every token): qwen2.5's longest token is 128 characters, all of
+# gemma3's 262k tokens 1.5M characters
+MAX_TOKEN_CHARS = 1024
+MAX_VOCAB_CHARS = 1 << 24
 
 # norms, biases and rope factors are read as float vectors; llama.cpp never quantizes them
 _FLOAT_TYPES = (T.F32, T.F16, T.BF16)
@@ -135,6 +140,15 @@ def _tokenizer(f: GGUFFile, cfg: ModelConfig, fail) -> None:
     if len(tokens) != cfg.n_vocab:
         fail(f"metadata key tokenizer.ggml.tokens has {len(tokens)} tokens, "
              f"expected {cfg.n_vocab} (the rows of token_embd.weight)")
+    if "tokenizer.ggml.tokens" not in f.kept:      # kept arrays passed this when written
+        longest = max(map(len, tokens), default=0)
+        if longest > MAX_TOKEN_CHARS:
+            j = next(j for j, t in enumerate(tokens) if len(t) == longest)
+            fail(f"metadata key tokenizer.ggml.tokens entry {j} is {longest} characters long, "
+                 f"expected at most {MAX_TOKEN_CHARS}")
+        total = sum(map(len, tokens))
+        if total > MAX_VOCAB_CHARS:
+            fail(f"metadata key tokenizer.ggml.tokens holds {total} characters in all, expected at most {MAX_VOCAB_CHARS}")
 
     def per_token(v, dtype_kind: str) -> bool:
         return isinstance(v, np.ndarray) and v.ndim == 1 and v.dtype.kind in dtype_kind and len(v) == len(tokens)

@@ -360,13 +360,20 @@ def _bpe_merges(index: dict[str, int], merges: Sequence[str]) -> np.ndarray:
 
 def _spm_merges(tokens: Sequence[str], index: dict[str, int], scores: np.ndarray) -> np.ndarray:
     """SentencePiece's merges as a BPE table: every split of a token into two tokens, the
-    highest-scoring token first (its splits by their halves' scores), so that BPE merges
-    like SentencePiece. index: token -> id, as from_metadata made it."""
-    score = scores.tolist()
-    merges = []
+    highest-scoring token first (ties in vocab order; its splits by their halves' scores,
+    ties in split order), so that BPE merges like SentencePiece. index: token -> id, as
+    from_metadata made it. One pass over every split (gguf_io.validate bounds the
+    vocabulary's characters), the order by one sort: 1.0-1.3 s for gemma3's 262k tokens."""
+    get = index.get
+    a_, b_, i_ = [], [], []
     for i, t in enumerate(tokens):
-        splits = [(index[t[:k]], index[t[k:]]) for k in range(1, len(t)) if t[:k] in index and t[k:] in index]
-        splits.sort(key=lambda p: (score[p[0]], score[p[1]]), reverse=True)
-        merges.extend((score[i], a, b, i) for a, b in splits)
-    merges.sort(key=lambda m: m[0], reverse=True)   # stable: ties keep vocab order
-    return np.array([m[1:] for m in merges], np.int32).reshape(-1, 3)
+        for k in range(1, len(t)):
+            a = get(t[:k])
+            if a is not None:
+                b = get(t[k:])
+                if b is not None:
+                    a_.append(a), b_.append(b), i_.append(i)
+    a, b, i = (np.array(v, np.int64) for v in (a_, b_, i_))
+    s = np.asarray(scores, np.float32)
+    order = np.lexsort((-s[b], -s[a], i, -s[i]))    # the last key first; stable: split order
+    return np.stack([a[order], b[order], i[order]], axis=1).astype(np.int32).reshape(-1, 3)

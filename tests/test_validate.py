@@ -153,6 +153,27 @@ def test_scores_shorter_than_the_vocabulary(tmp_path):
         validate(f, config_from_gguf(f))
 
 
+def test_tokens_too_long_are_refused(tmp_path, monkeypatch):
+    """A SentencePiece merge table tries every split of every token: a hostile vocabulary of
+    long tokens would make the first load run for minutes, so its lengths are bounded."""
+    import gguf_io.validate as V
+    p = write_tiny_model(tmp_path / "m.gguf", "llama")
+
+    def with_token(token):
+        f = open_gguf(p)            # validation is remembered per open file
+        f.metadata["tokenizer.ggml.tokens"][7] = token
+        return f, config_from_gguf(f)
+
+    validate(*with_token("a" * V.MAX_TOKEN_CHARS))
+    with pytest.raises(GGUFError, match=f"tokens entry 7 is {V.MAX_TOKEN_CHARS + 1} characters long, expected at most"):
+        validate(*with_token("a" * (V.MAX_TOKEN_CHARS + 1)))
+    f, cfg = with_token("a" * V.MAX_TOKEN_CHARS)    # each at the bound, the sum past its own
+    total = sum(map(len, f.metadata["tokenizer.ggml.tokens"]))
+    monkeypatch.setattr(V, "MAX_VOCAB_CHARS", total - 1)
+    with pytest.raises(GGUFError, match=f"holds {total} characters in all, expected at most {total - 1}"):
+        validate(f, cfg)
+
+
 def test_bpe_merge_outside_the_vocabulary(tmp_path):
     # the tokenizers library panics (a foreign exception) on such a merge: refused first
     p = write_tiny_model(tmp_path / "m.gguf", "llama")
