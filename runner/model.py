@@ -88,9 +88,10 @@ class Model:
 
 def load(model: str, progress: catalog.Progress | None = None, threads: int | None = None,
          flash: bool = True, cache_types: tuple[str, str] = ("f16", "f16"), backend: str = "numba",
-         draft: bool = False) -> Model:
+         draft: bool = False, first=None) -> Model:
     """flash: llama.cpp's flash-attention arithmetic (its CPU default, -fa auto/on), else -fa off's.
-    backend: numba | mlx | auto (runner.backends.make). draft: a speculative draft's weights."""
+    backend: numba | mlx | auto (runner.backends.make). draft: a speculative draft's weights.
+    first: a runner.backends.first_run(), told the model's needs once the file is validated."""
     path = resolve(model, progress)
     try:
         f = open_gguf(path, _kept_strings(path))
@@ -98,6 +99,8 @@ def load(model: str, progress: catalog.Progress | None = None, threads: int | No
         validate(f, cfg)    # the file is untrusted: its shapes are proven before any kernel runs
     except GGUFError as e:
         raise ModelError(str(e)) from None
+    if first is not None:
+        first.tell(f, cfg, draft)
     if f.string_arrays:     # decoded and validated now: kept for the next load
         derived.keep_value(path, "strings", _STRINGS_KEY, f.string_arrays)
     kept = derived.load_value(path, "merges", _MERGES_KEY)

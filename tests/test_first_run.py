@@ -2,6 +2,7 @@
 compiles ahead must be the signatures the forward then calls, or the forward compiles them
 again and the first run is as slow as with one process."""
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -51,10 +52,11 @@ CASES = [("qwen2", w, flash, types) for w in (T.Q8_0, T.Q4_K, T.Q6_K)
 @pytest.mark.parametrize("arch,weights,flash,types", CASES + [("gemma3", T.Q8_0, True, ("f16", "f16"))])
 def test_ahead_of_time_signatures_are_the_forwards(tmp_path, arch, weights, flash, types):
     f = open_gguf(tiny(tmp_path / "m.gguf", weights, arch))
+    need = numba_cpu.needs(f, config_from_gguf(f))     # told before the backend is built
     be = numba_cpu.NumbaCPU(f, config_from_gguf(f), flash=flash, cache_types=types)
-    kinds = be.packed_kinds()
+    assert need == dict(head_dim=64, embd_type=int(weights), kinds=sorted(be.packed_kinds()), silu=arch != "gemma3")
     # both processes' jobs (gemma3's GELU: no SiLU kernels ahead); the tiny model's head size 64
-    for _, job in numba_cpu.jobs(flash, types, 64, int(weights), kinds, silu=be.cfg.act == "silu"):
+    for _, job in numba_cpu.jobs(flash, types, **need):
         job()
     ahead = signatures()
     assert ahead[EMBED[weights]], "the helper did not compile the embedding's row lookup"
@@ -109,12 +111,30 @@ def test_helper_outlives_warm_to_finish_the_long_batches(tmp_path, monkeypatch):
     f = open_gguf(tiny(tmp_path / "m.gguf", T.Q8_0))
     run = numba_cpu.FirstRun(True, ("f16", "f16"))
     try:
+        run.tell(f, config_from_gguf(f))
+        claims = run.claims
         run.warm(numba_cpu.NumbaCPU(f, config_from_gguf(f)), 1)
         run.close()
         assert run.ready and run.helper.poll() is None
+        assert not os.path.exists(claims)
     finally:
         run.helper.kill()
         run.helper.wait()
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name,draft", [("qwen2.5-coder:0.5b", False), ("qwen2.5-coder:0.5b", True), ("gemma3:270m", False)])
+def test_needs_told_early_are_the_backends(name, draft):
+    """FirstRun.tell computes the kinds from the file before the backend repacks: the same
+    kinds (a draft's requantized to Q4_0), head size and embedding type."""
+    from models import catalog
+    f = open_gguf(catalog.fetch(name))
+    cfg = config_from_gguf(f)
+    need = numba_cpu.needs(f, cfg, draft)
+    be = numba_cpu.NumbaCPU(f, cfg, draft=draft)
+    assert need == dict(head_dim=int(cfg.head_dim), embd_type=int(be.embd.type_id),
+                        kinds=sorted(be.packed_kinds()), silu=cfg.act == "silu")
+    assert (quant.packed.KINDS[T.Q4_0] in need["kinds"]) == draft or not quant.packed.enabled()
 
 
 def test_jobs_are_shared_not_repeated(tmp_path):

@@ -98,8 +98,8 @@ def default() -> str:
 
 def first_run(flash: bool = True, cache_types: tuple[str, str] = ("f16", "f16")):
     """The numba backend's first run on a machine (no compiled kernels cached): call before
-    the model loads; its warm(backend, token) after, close() in any case (see
-    numba_cpu.FirstRun: it compiles in two processes)."""
+    the model loads and pass it to runner.model.load (first=); its warm(backend, token)
+    after, close() in any case (see numba_cpu.FirstRun: it compiles in two processes)."""
     from runner.backends.numba_cpu import FirstRun
     return FirstRun(flash, cache_types)
 

@@ -95,6 +95,31 @@ class _Head:
         return out[0]
 
 
+def _qkv(i: int) -> tuple:
+    return tuple(f"blk.{i}.attn_{x}.weight" for x in "qkv")
+
+
+def _gate_up(i: int) -> tuple:
+    return f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"
+
+
+def _packed(f: GGUFFile, cfg: ModelConfig) -> tuple[list, list]:
+    """The matrices repacked for decode where quant.packed has their type (the embedding only
+    for the output head it may double as: lookups read the file's rows), and the groups that
+    share an input (quant.packed.pack_file's names and groups)."""
+    names = [n for n, t in f.tensors.items() if len(t.dims) == 2 and (n != "token_embd.weight" or cfg.tied_output)]
+    groups = [g(i) for i in range(cfg.n_layer) for g in (_qkv, _gate_up) if all(n in f.tensors for n in g(i))]
+    return names, groups
+
+
+def needs(f: GGUFFile, cfg: ModelConfig, draft: bool = False) -> dict:
+    """What the backend of a validated file will run (jobs()'s model arguments), known before
+    it is built: its head size, embedding type, repacked kinds and activation."""
+    kinds = quant.packed.file_kinds(f, _packed(f, cfg)[0], DRAFT_Q4_0 if draft else ())
+    return dict(head_dim=int(cfg.head_dim), embd_type=int(f.tensors["token_embd.weight"].type_id),
+                kinds=sorted(int(k) for k in kinds), silu=cfg.act == "silu")
+
+
 class NumbaCPU:
     name = "numba-cpu"
 
@@ -151,14 +176,8 @@ class NumbaCPU:
                 return None
             return Linear(p.type_id, p, p.cols, p.rows, np.concatenate([vec(b) for b in biases]) if biases else None)
 
-        # matrices are repacked for decode where quant.packed has their type; the embedding
-        # only for the output head it may double as (lookups read the file's rows)
-        qkv = lambda i: tuple(f"blk.{i}.attn_{x}.weight" for x in "qkv")
-        gate_up = lambda i: (f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight")
-        packs = quant.packed.pack_file(f, [n for n, t in f.tensors.items() if len(t.dims) == 2 and
-                                           (n != "token_embd.weight" or cfg.tied_output)],
-                                       [g(i) for i in range(cfg.n_layer) for g in (qkv, gate_up)
-                                        if all(n in f.tensors for n in g(i))], derived, DRAFT_Q4_0 if draft else ())
+        names, groups = _packed(f, cfg)
+        packs = quant.packed.pack_file(f, names, groups, derived, DRAFT_Q4_0 if draft else ())
 
         # llama 3 files carry per-pair rope frequency divisors
         freq_factors = vec("rope_freqs.weight")
@@ -167,8 +186,8 @@ class NumbaCPU:
         self.layers = graph.build_layers(f, cfg, lin, vec)
         for i, L in enumerate(self.layers):
             p = f"blk.{i}."
-            L.qkv = fused(qkv(i), [p + f"attn_{x}.bias" for x in "qkv"] if cfg.qkv_bias else [])
-            L.gate_up = fused(gate_up(i), [])
+            L.qkv = fused(_qkv(i), [p + f"attn_{x}.bias" for x in "qkv"] if cfg.qkv_bias else [])
+            L.gate_up = fused(_gate_up(i), [])
         t = f.tensors["token_embd.weight"]      # rows are looked up: the file's layout
         self.embd = Linear(t.type_id, f.raw("token_embd.weight"), t.dims[0], t.dims[1])
         self.output_norm = vec("output_norm.weight")
@@ -380,48 +399,58 @@ class NumbaCPU:
 
 class FirstRun:
     """The first run on a machine compiles every kernel the model needs (numba caches them
-    after). Two processes share it: a helper started now waits while the model downloads and
-    loads; warm() then tells it what the model needs (head size, embedding type, weight kinds,
-    activation), and both go down the same list of compile jobs, largest first, each taking
-    the next one the other has not claimed (a file created exclusively per job), so their
-    shares come out even for any model. When the helper has no job left it says so; this
-    process then runs the model's own forward, which loads everything from the cache. The
-    helper goes on alone to compile flash attention's path for batches of 64 tokens and more
-    (~7 s: a first long prompt would otherwise wait for it) and exits. A helper that fails
-    costs nothing but time: whatever it did not cache is compiled where it is first needed."""
+    after). Two processes share it: a helper started now waits while the model downloads;
+    tell() gives it what the model needs (head size, embedding type, weight kinds,
+    activation) as soon as the file is validated, and it starts down the list of compile jobs,
+    largest first, while this process goes on loading (a first load decodes the tokenizer and
+    repacks the weights: 3-5 s for gemma3). warm() then takes this process down the same list,
+    each process taking the next job the other has not claimed (a file created exclusively
+    per job), so their shares come out even for any model. When the helper has no job left it
+    says so; this process then runs the model's own forward, which loads everything from the
+    cache. The helper goes on alone to compile flash attention's path for batches of 64
+    tokens and more (~7 s: a first long prompt would otherwise wait for it) and exits. A
+    helper that fails costs nothing but time: whatever it did not cache is compiled where it
+    is first needed."""
 
     def __init__(self, flash: bool, cache_types: tuple[str, str]):
         import subprocess
         self.flash, self.cache_types = flash, cache_types
         self.helper = subprocess.Popen(helper_command(flash, cache_types), stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        self.ready = False
+        self.need, self.claims, self.ready = None, None, False
+
+    def tell(self, f: GGUFFile, cfg: ModelConfig, draft: bool = False) -> None:
+        """The validated file's needs, to the helper (runner.model.load calls it)."""
+        import json
+        import tempfile
+        self.need = needs(f, cfg, draft)
+        self.claims = tempfile.mkdtemp(prefix="numbat-first-run-")
+        try:
+            self.helper.stdin.write(json.dumps({"claims": self.claims, **self.need}).encode() + b"\n")
+            self.helper.stdin.close()
+        except OSError:         # the helper is gone: this process takes every job
+            pass
 
     def warm(self, be: NumbaCPU, token: int) -> None:
-        import json
-        import shutil
-        import tempfile
-        need = dict(head_dim=int(be.cfg.head_dim), embd_type=int(be.embd.type_id),
-                    kinds=sorted(int(k) for k in be.packed_kinds()), silu=be.cfg.act == "silu")
-        claims = tempfile.mkdtemp(prefix="numbat-first-run-")
-        try:
-            try:
-                self.helper.stdin.write(json.dumps({"claims": claims, **need}).encode() + b"\n")
-                self.helper.stdin.close()
-            except OSError:         # the helper is gone: this process takes every job
-                pass
-            run_jobs(jobs(self.flash, self.cache_types, **need), claims)
-            self.helper.stdout.readline()   # its jobs are cached ("" if it died: compiled below)
-            self.ready = True
-        finally:
-            shutil.rmtree(claims, ignore_errors=True)
+        """After tell() and the load: this process's share of the jobs, then the forward."""
+        run_jobs(jobs(self.flash, self.cache_types, **self.need), self.claims)
+        self.helper.stdout.readline()   # its jobs are cached ("" if it died: compiled below)
+        self.ready = True
+        self._forget_claims()
         cache = be.make_cache(64)
         be.forward([token] * 2, cache)      # a batch's paths, then decode's
         be.forward([token], cache)
 
+    def _forget_claims(self) -> None:
+        import shutil
+        if self.claims:
+            shutil.rmtree(self.claims, ignore_errors=True)
+            self.claims = None
+
     def close(self) -> None:
         """Stop the helper if the load failed before it was done with its jobs (after that it
         finishes the long batches' attention on its own)."""
+        self._forget_claims()
         if not self.ready and self.helper.poll() is None:
             self.helper.kill()
             self.helper.wait()
