@@ -88,6 +88,57 @@ def load(src: Path, kind: str, key: str, nbytes: int) -> np.ndarray | None:
         return None
 
 
+class Made:
+    """A new entry being written in place: array (nbytes, writable) maps a temporary file;
+    commit() renames it onto the entry's name when array holds the data."""
+
+    def __init__(self, array: np.ndarray, tmp: str, path: Path):
+        self.array, self._tmp, self._path = array, tmp, path
+
+    def commit(self) -> None:
+        try:
+            os.replace(self._tmp, self._path)
+        except OSError:         # best effort, as save; the mapping stays valid either way
+            try:
+                os.unlink(self._tmp)
+            except OSError:
+                pass
+
+
+def create(src: Path, kind: str, key: str, nbytes: int) -> Made | None:
+    """A mapped entry of nbytes to fill, or None (too small, an unwritable or full NUMBAT_HOME,
+    no posix_fallocate): then fill memory of your own and save() it. Filling the file's
+    pages in place costs a tenth of an anonymous buffer's faults and the write() after
+    (250 MB: 0.1-0.16 against 0.9-1.8 s in a fresh process); its blocks are allocated first,
+    so a full disk fails here, not with a SIGBUS while the mapping is written."""
+    if nbytes < MIN_BYTES or not hasattr(os, "posix_fallocate"):
+        return None
+    import mmap
+    try:
+        path, ident, full = _entry(src, kind, key)
+        head = MAGIC + json.dumps({"key": full, "source": ident}).encode()
+        if len(head) > HEADER:
+            return None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _collect(path.parent)
+        for old in path.parent.glob(path.name[:path.name.rindex("-") + 1] + "*.bin"):
+            old.unlink(missing_ok=True)     # one entry per kind and model: older code's
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    except OSError:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, HEADER + nbytes)
+        os.fchmod(fd, 0o644)
+        m = mmap.mmap(fd, HEADER + nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    except (OSError, ValueError):
+        os.close(fd)
+        os.unlink(tmp)
+        return None
+    os.close(fd)            # the mapping keeps the file
+    m[:HEADER] = head.ljust(HEADER, b"\0")
+    return Made(np.frombuffer(m, np.uint8, nbytes, HEADER), tmp, path)
+
+
 def save(src: Path, kind: str, key: str, data: np.ndarray, min_bytes: int | None = None) -> None:
     """Keep data for the next load. Best effort: an unwritable or full NUMBAT_HOME only means
     the work is done again next time."""

@@ -212,7 +212,7 @@ def pack_file(f, names, groups=(), keep=None, q4_0=frozenset()) -> dict:
     groups: tuples of names that take the same input (q, k, v; gate, up). Where all members
     repack to one type and width they are laid out one after the other, and the tuple maps to
     one Packed of all their rows: one kernel call, the input quantized once.
-    keep: a store of derived bytes (models.derived: load/save) that maps the buffer a former
+    keep: a store of derived bytes (models.derived: load/create/save) that maps the buffer a former
     load wrote instead of packing again, keyed by this file, what is packed and this code.
     q4_0: types whose matrices are requantized to Q4_0 first (quant.requantize: a draft's, see
     runner.backends.numba_cpu.DRAFT_Q4_0), kept apart from the file's own repacking."""
@@ -225,8 +225,9 @@ def pack_file(f, names, groups=(), keep=None, q4_0=frozenset()) -> dict:
     arena = keep.load(f.path, kind, key, total) if keep else None
     out, span, at = {}, {}, 0
     fill = arena is None
+    made = keep.create(f.path, kind, key, total) if fill and keep else None   # filled in place
     if fill:
-        arena = np.empty(total, np.uint8)
+        arena = made.array if made else np.empty(total, np.uint8)
     with concurrent.futures.ThreadPoolExecutor(numba.get_num_threads()) if fill else contextlib.nullcontext() as pool:
         for n, t, shape, make, size in todo:     # a kept buffer needs only the shape
             out[n] = pack(t, make() if fill else np.broadcast_to(np.uint8(0), shape), arena[at:at + size], fill, pool)
@@ -234,7 +235,9 @@ def pack_file(f, names, groups=(), keep=None, q4_0=frozenset()) -> dict:
                 f.release(n)
             span[n] = (at, at + size)
             at += size
-    if fill and keep:
+    if made:
+        made.commit()
+    elif fill and keep:
         keep.save(f.path, kind, key, arena)
     for g in groups:
         ps = [out.get(n) for n in g]

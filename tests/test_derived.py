@@ -122,6 +122,40 @@ def test_pack_file_maps_what_a_former_load_kept(home, tmp_path, monkeypatch):
         assert np.array_equal(p.data, again[k].data)
 
 
+def test_created_entry_appears_only_when_committed(home, tmp_path):
+    """create() maps a temporary file that pack_file fills in place; the entry is there
+    (and load maps it) only after commit()."""
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"model")
+    made = derived.create(src, "repacked", "k", 8192)
+    made.array[:] = np.arange(8192) % 251
+    assert derived.load(src, "repacked", "k", 8192) is None
+    made.commit()
+    assert np.array_equal(derived.load(src, "repacked", "k", 8192), np.arange(8192) % 251)
+    assert len(entries(home)) == 1 and not any(n.endswith(".tmp") for n in entries(home))
+
+
+@pytest.mark.skipif(not packed.enabled(), reason="repacking needs AVX512-VNNI (and NUMBAT_REPACK unset)")
+def test_pack_file_without_space_for_a_mapped_entry_saves_instead(home, tmp_path, monkeypatch):
+    """No room for create()'s file (fallocate fails: a full disk): pack_file packs into memory
+    and save()s, leaving no temporary file behind."""
+    import errno
+    path = write_tiny_model(tmp_path / "q.gguf", "qwen2", n_embd=256, n_ff=512, n_head=4, n_head_kv=2,
+                            weight_type=T.Q8_0)
+    names = [n for n, t in open_gguf(path).tensors.items() if len(t.dims) == 2]
+    fresh = packed.pack_file(open_gguf(path), names)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    kept = packed.pack_file(open_gguf(path), names, keep=derived)
+    assert [n for n in entries(home) if n.endswith(".tmp")] == [] and len(entries(home)) == 1
+    again = packed.pack_file(open_gguf(path), names, keep=derived)     # maps the saved entry
+    for n, p in fresh.items():
+        assert np.array_equal(p.data, kept[n].data) and np.array_equal(p.data, again[n].data)
+    assert isinstance(again[names[0]].data.base, np.memmap) or isinstance(again[names[0]].data, np.memmap)
+
+
 def test_rm_forgets_the_models_entries(home, monkeypatch):
     name = next(iter(catalog.CATALOG))
     p = catalog.model_path(name)
