@@ -38,7 +38,6 @@ NUMBAT_REPACK=0 keeps the file's layout.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -228,7 +227,9 @@ def pack_file(f, names, groups=(), keep=None, q4_0=frozenset()) -> dict:
     made = keep.create(f.path, kind, key, total) if fill and keep else None   # filled in place
     if fill:
         arena = made.array if made else np.empty(total, np.uint8)
-    with concurrent.futures.ThreadPoolExecutor(numba.get_num_threads()) if fill else contextlib.nullcontext() as pool:
+    if fill:
+        from concurrent.futures import ThreadPoolExecutor     # not imported by a start that maps
+    with ThreadPoolExecutor(numba.get_num_threads()) if fill else contextlib.nullcontext() as pool:
         for n, t, shape, make, size in todo:     # a kept buffer needs only the shape
             out[n] = pack(t, make() if fill else np.broadcast_to(np.uint8(0), shape), arena[at:at + size], fill, pool)
             if fill:
