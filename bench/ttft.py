@@ -2,11 +2,14 @@
 --raw "Hi" -n 1` as whole processes, from starting the command to the first byte of the reply
 and to the process's end (Python start, imports, model open, prefill, one token, exit).
 Cold = an empty kernel cache (everything compiles; the model's repacked weights already kept
-or not, as NUMBAT_HOME has them); warm = medians of -r runs after that. With --llama-bin,
+or not, as NUMBAT_HOME has them); --fresh-home: cold runs in an empty NUMBAT_HOME holding only
+a link to this one's models (a first run after install: the repacking and the tokenizer's
+tables are made too); --cold N such runs, each after the last one's background compile
+helper has exited; warm = medians of -r runs after that. With --llama-bin,
 llama.cpp's `llama-completion -m FILE -p Hi -n 1 -no-cnv` runs alternately with the raw
 numbat command (same file, same threads) and the ratio of their medians is printed.
 
-    python bench/ttft.py [MODEL] [-r 5] [--llama-bin DIR] [--no-cold]
+    python bench/ttft.py [MODEL] [-r 5] [--llama-bin DIR] [--no-cold | --cold N [--fresh-home]]
 """
 from __future__ import annotations
 
@@ -21,15 +24,24 @@ import time
 from pathlib import Path
 
 
-def first_byte(cmd: list[str], env: dict) -> tuple[float, float]:
+def first_byte(cmd: list[str], env: dict, settle: bool = False) -> tuple[float, float]:
+    """settle: then wait until every process the command left behind (a first run's compile
+    helper finishing in the background) has exited, so the next run has both cores."""
     t = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=settle)
     p.stdout.read(1)
     ttft = time.perf_counter() - t
     p.stdout.read()
     if p.wait():
         sys.exit(f"{' '.join(cmd)} failed with exit code {p.returncode}")
-    return ttft, time.perf_counter() - t
+    took = time.perf_counter() - t
+    while settle:
+        try:
+            os.killpg(p.pid, 0)
+            time.sleep(0.2)
+        except (ProcessLookupError, PermissionError):
+            break
+    return ttft, took
 
 
 def summary(name: str, runs: list[tuple[float, float]]) -> str:
@@ -45,6 +57,8 @@ def main():
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--llama-bin", type=Path, help="a llama.cpp build's bin/ (llama-completion)")
     ap.add_argument("--no-cold", action="store_true", help="skip the run with an empty kernel cache")
+    ap.add_argument("--cold", type=int, default=1, help="runs with an empty kernel cache")
+    ap.add_argument("--fresh-home", action="store_true", help="cold runs with an empty NUMBAT_HOME (the models linked)")
     a = ap.parse_args()
     # the installed script itself, not a version manager's shim in front of it
     numbat = str(Path(sys.executable).parent / "numbat")
@@ -53,13 +67,19 @@ def main():
     chat = [numbat, "prompt", a.model, "Hi", "-n", "1", "-t", str(a.threads)]
     raw = chat + ["--raw"]
     env = dict(os.environ)
-    if not a.no_cold:
-        kernels = tempfile.mkdtemp(prefix="numbat-kernels-")
+    for _ in range(0 if a.no_cold else a.cold):
+        scratch = tempfile.mkdtemp(prefix="numbat-cold-")
         try:
-            cold = first_byte(chat, dict(env, NUMBA_CACHE_DIR=kernels))
-            print(f"cold (empty kernel cache): first byte {cold[0]:.2f} s, whole process {cold[1]:.2f} s")
+            cold_env = dict(env, NUMBA_CACHE_DIR=os.path.join(scratch, "kernels"))
+            if a.fresh_home:
+                from models.catalog import home
+                os.symlink(home() / "models", os.path.join(scratch, "models"))
+                cold_env["NUMBAT_HOME"] = scratch
+            cold = first_byte(chat, cold_env, settle=True)
+            print(f"cold (empty {'NUMBAT_HOME' if a.fresh_home else 'kernel cache'}): "
+                  f"first byte {cold[0]:.2f} s, whole process {cold[1]:.2f} s", flush=True)
         finally:
-            shutil.rmtree(kernels, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
     first_byte(chat, env)       # warm the kernel cache this environment uses
     llama = None
     if a.llama_bin:
