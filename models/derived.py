@@ -115,14 +115,9 @@ def create(src: Path, kind: str, key: str, nbytes: int) -> Made | None:
         return None
     import mmap
     try:
-        path, ident, full = _entry(src, kind, key)
-        head = MAGIC + json.dumps({"key": full, "source": ident}).encode()
-        if len(head) > HEADER:
+        path, head = _make_room(src, kind, key)
+        if path is None:
             return None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _collect(path.parent)
-        for old in path.parent.glob(path.name[:path.name.rindex("-") + 1] + "*.bin"):
-            old.unlink(missing_ok=True)     # one entry per kind and model: older code's
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     except OSError:
         return None
@@ -135,7 +130,7 @@ def create(src: Path, kind: str, key: str, nbytes: int) -> Made | None:
         os.unlink(tmp)
         return None
     os.close(fd)            # the mapping keeps the file
-    m[:HEADER] = head.ljust(HEADER, b"\0")
+    m[:HEADER] = head
     return Made(np.frombuffer(m, np.uint8, nbytes, HEADER), tmp, path)
 
 
@@ -145,16 +140,26 @@ def save(src: Path, kind: str, key: str, data: np.ndarray, min_bytes: int | None
     if data.nbytes < (MIN_BYTES if min_bytes is None else min_bytes):
         return
     try:
-        path, ident, full = _entry(src, kind, key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _collect(path.parent)
-        for old in path.parent.glob(path.name[:path.name.rindex("-") + 1] + "*.bin"):
-            old.unlink(missing_ok=True)     # one entry per kind and model: older code's
-        head = MAGIC + json.dumps({"key": full, "source": ident}).encode()
-        if len(head) <= HEADER:             # else a very long path: not worth a larger header
-            write_atomic(path, head.ljust(HEADER, b"\0"), memoryview(np.ascontiguousarray(data)).cast("B"))
+        path, head = _make_room(src, kind, key)
+        if path is not None:
+            write_atomic(path, head, memoryview(np.ascontiguousarray(data)).cast("B"))
     except OSError:
         pass
+
+
+def _make_room(src: Path, kind: str, key: str) -> tuple[Path | None, bytes]:
+    """The path and HEADER bytes of a new entry, its directory made, stale entries collected
+    and this kind's older entries for src deleted; (None, b"") for a path too long for the
+    header (not worth a larger one). Raises OSError."""
+    path, ident, full = _entry(src, kind, key)
+    head = MAGIC + json.dumps({"key": full, "source": ident}).encode()
+    if len(head) > HEADER:
+        return None, b""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _collect(path.parent)
+    for old in path.parent.glob(path.name[:path.name.rindex("-") + 1] + "*.bin"):
+        old.unlink(missing_ok=True)     # one entry per kind and model: older code's
+    return path, head.ljust(HEADER, b"\0")
 
 
 def load_value(src: Path, kind: str, key: str):

@@ -223,12 +223,11 @@ def pack_file(f, names, groups=(), keep=None, q4_0=frozenset()) -> dict:
     kind = "repacked-q4_0" if q4_0 else "repacked"
     arena = keep.load(f.path, kind, key, total) if keep else None
     out, span, at = {}, {}, 0
-    fill = arena is None
-    made = keep.create(f.path, kind, key, total) if fill and keep else None   # filled in place
-    if fill:
-        arena = made.array if made else np.empty(total, np.uint8)
+    fill, made = arena is None, None
     if fill:
         from concurrent.futures import ThreadPoolExecutor     # not imported by a start that maps
+        made = keep.create(f.path, kind, key, total) if keep else None     # filled in place
+        arena = made.array if made else np.empty(total, np.uint8)
     with ThreadPoolExecutor(numba.get_num_threads()) if fill else contextlib.nullcontext() as pool:
         for n, t, shape, make, size in todo:     # a kept buffer needs only the shape
             out[n] = pack(t, make() if fill else np.broadcast_to(np.uint8(0), shape), arena[at:at + size], fill, pool)

@@ -372,7 +372,9 @@ def _spm_merges(tokens: Sequence[str], index: dict[str, int], scores: np.ndarray
             if a is not None:
                 b = get(t[k:])
                 if b is not None:
-                    a_.append(a), b_.append(b), i_.append(i)
+                    a_.append(a)
+                    b_.append(b)
+                    i_.append(i)
     a, b, i = (np.array(v, np.int64) for v in (a_, b_, i_))
     s = np.asarray(scores, np.float32)
     order = np.lexsort((-s[b], -s[a], i, -s[i]))    # the last key first; stable: split order
