@@ -105,12 +105,10 @@ def load(model: str, progress: catalog.Progress | None = None, threads: int | No
         derived.keep_value(path, "strings", _STRINGS_KEY, f.string_arrays)
     kept = derived.load_value(path, "merges", _MERGES_KEY)
     kept = np.frombuffer(kept, np.int32).reshape(-1, 3) if isinstance(kept, bytes) and len(kept) % 12 == 0 else None
-    try:
-        tok = Tokenizer.from_metadata(f.metadata, kept)
+    try:        # a table made (now or at a first long text) is kept for the next load
+        tok = Tokenizer.from_metadata(f.metadata, kept, lambda m: derived.keep_value(path, "merges", _MERGES_KEY, m.tobytes()))
     except ValueError as e:
         raise ModelError(f"{path}: {e}") from None
-    if tok.merges is not kept:      # made now: kept for the next load
-        derived.keep_value(path, "merges", _MERGES_KEY, tok.merges.tobytes())
     template = ChatTemplate.from_metadata(f.metadata)
     if threads:
         import numba

@@ -116,8 +116,11 @@ class Tokenizer:
         return self._pieces[token_id]
 
     @classmethod
-    def from_metadata(cls, meta: Mapping, merges: np.ndarray | None = None) -> Tokenizer:
-        """merges: this vocabulary's merge table (Tokenizer.merges) kept from an earlier load."""
+    def from_metadata(cls, meta: Mapping, merges: np.ndarray | None = None, keep=None) -> Tokenizer:
+        """merges: this vocabulary's merge table (Tokenizer.merges) kept from an earlier load;
+        keep(table): called with the table when it is made instead (to keep it for the next
+        load). A SentencePiece table is made only when a whole model needs it (1.0-1.3 s for
+        gemma3's 262k tokens): short texts take the merges of their own tokens."""
         model = meta.get("tokenizer.ggml.model")
         if model not in MODELS:
             raise ValueError(f"unsupported tokenizer.ggml.model {model!r}: numbat supports "
@@ -137,12 +140,14 @@ class Tokenizer:
                                  f"numbat supports {', '.join(PRE_TOKENIZERS)}")
             if merges is None:
                 merges = _bpe_merges(index, meta["tokenizer.ggml.merges"])
+                if keep is not None:
+                    keep(merges)
             encoder = _Encoder(tokens, index, merges, pre)
             kind, defaults = "bpe", dict(bos=11, eos=11, add_bos=pre is _LLAMA3, prefix=False)
         else:
-            if merges is None:
-                merges = _spm_merges(tokens, index, np.asarray(meta.get("tokenizer.ggml.scores", np.zeros(n)), np.float32))
-            encoder = _Encoder(tokens, index, merges, None)
+            scores = np.asarray(meta.get("tokenizer.ggml.scores", np.zeros(n)), np.float32)
+            encoder = _Encoder(tokens, index, merges, None,
+                               lambda ids=None: _spm_merges(tokens, index, scores, ids), keep)
             kind, defaults = "spm", dict(bos=1, eos=2, add_bos=True, prefix=True)
 
         def special_id(key: str, default: int | None) -> int | None:
@@ -306,8 +311,11 @@ class _Encoder:
     or partial models that have taken as long as a whole one (a batch file's many prompts),
     build the whole model once, kept for every later text."""
 
-    def __init__(self, tokens: list[str], index: dict[str, int], merges: np.ndarray, pre: _Pre | None):
-        self.tokens, self.index, self.merges, self.pre = tokens, index, merges, pre
+    def __init__(self, tokens: list[str], index: dict[str, int], merges: np.ndarray | None, pre: _Pre | None,
+                 make=None, keep=None):
+        """merges None: make(ids) makes the table's rows that make the tokens ids (all: None),
+        and keep is given the whole table once it is made."""
+        self.tokens, self.index, self._merges, self.pre, self.make, self.keep = tokens, index, merges, pre, make, keep
         self.whole: HFTokenizer | None = None
         self.spent = 0.0        # seconds spent on partial models
         self.longest = max(map(len, tokens), default=1)
@@ -316,6 +324,14 @@ class _Encoder:
         self.splitter = pre and pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+    @property
+    def merges(self) -> np.ndarray:
+        if self._merges is None:
+            self._merges = self.make()
+            if self.keep is not None:
+                self.keep(self._merges)
+        return self._merges
 
     def model(self, texts: list[str]) -> HFTokenizer:
         if self.whole is not None:
@@ -329,9 +345,13 @@ class _Encoder:
         ids = {index[s] for w in words for i in range(len(w)) for j in range(i + 1, min(len(w), i + longest) + 1)
                if (s := w[i:j]) in index}
         ids.update(self.always)
-        member = np.zeros(len(self.tokens), np.bool_)
-        member[list(ids)] = True
-        hf = self._build({self.tokens[i]: i for i in ids}, self.merges[member[self.merges[:, 2]]])
+        if self._merges is None:        # the rows of these tokens only, as the whole table orders them
+            merges = self.make(sorted(ids))
+        else:
+            member = np.zeros(len(self.tokens), np.bool_)
+            member[list(ids)] = True
+            merges = self._merges[member[self._merges[:, 2]]]
+        hf = self._build({self.tokens[i]: i for i in ids}, merges)
         self.spent += time.perf_counter() - start
         return hf
 
@@ -358,15 +378,18 @@ def _bpe_merges(index: dict[str, int], merges: Sequence[str]) -> np.ndarray:
     return np.array(rows, np.int32).reshape(-1, 3)
 
 
-def _spm_merges(tokens: Sequence[str], index: dict[str, int], scores: np.ndarray) -> np.ndarray:
+def _spm_merges(tokens: Sequence[str], index: dict[str, int], scores: np.ndarray, ids=None) -> np.ndarray:
     """SentencePiece's merges as a BPE table: every split of a token into two tokens, the
     highest-scoring token first (ties in vocab order; its splits by their halves' scores,
     ties in split order), so that BPE merges like SentencePiece. index: token -> id, as
     from_metadata made it. One pass over every split (gguf_io.validate bounds the
-    vocabulary's characters), the order by one sort: 1.0-1.3 s for gemma3's 262k tokens."""
+    vocabulary's characters), the order by one sort: 1.0-1.3 s for gemma3's 262k tokens.
+    ids (ascending): only the rows that make these tokens, in the whole table's order (each
+    row's sort keys are its own)."""
     get = index.get
     a_, b_, i_ = [], [], []
-    for i, t in enumerate(tokens):
+    for i in range(len(tokens)) if ids is None else ids:
+        t = tokens[i]
         for k in range(1, len(t)):
             a = get(t[:k])
             if a is not None:

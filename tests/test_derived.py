@@ -238,3 +238,22 @@ def test_kept_merges_are_not_checked_again(monkeypatch):
     v.validate(g, config_from_gguf(g))
     assert calls == [1] and g.kept == {"tokenizer.ggml.tokens", "tokenizer.ggml.merges"}
     assert all(g.metadata[k] == f.metadata[k] for k in g.kept) and g.metadata.keys() == f.metadata.keys()
+
+
+def test_a_sentencepiece_merge_table_is_kept_once_a_long_text_made_it(home, tmp_path):
+    """Loads of an SPM vocabulary make no merge table (short texts take their tokens' rows);
+    the first text long enough for the whole model makes it, kept for the next load."""
+    from runner import model as rm
+    from runner import tokenizer as tk
+    path = write_tiny_model(tmp_path / "m.gguf", "llama", n_vocab=300)
+    first = rm.load(str(path))
+    short = first.tokenizer.encode("ab ba")
+    assert not [e for e in entries(home) if e.startswith("merges-")]
+    long = "ab ba " * tk.PARTIAL_MAX
+    ids = first.tokenizer.encode(long)
+    assert first.tokenizer._encoder.whole is not None
+    assert [e for e in entries(home) if e.startswith("merges-")]
+    second = rm.load(str(path))
+    assert second.tokenizer._encoder._merges is not None
+    assert np.array_equal(second.tokenizer.merges, first.tokenizer.merges)
+    assert second.tokenizer.encode("ab ba") == short and second.tokenizer.encode(long) == ids

@@ -51,18 +51,34 @@ def test_partial_and_whole_models_agree(real, monkeypatch):
     monkeypatch.setattr(tk, "WHOLE_AFTER", float("inf"))    # partial models throughout, however slow the machine
     tok, fx = real
     texts = [c["text"] for c in fx["texts"]] + EXTRA_TEXTS + ["x" * 700, "def f(x):\n    return x ** 2\n" * 40]
-    fresh = Tokenizer.from_metadata(fx["meta"], tok.merges)
-    ids = [fresh.encode(t, special=True) for t in texts]
-    assert fresh._encoder.whole is None
-    whole = _whole(Tokenizer.from_metadata(fx["meta"], tok.merges))
-    assert ids == [whole.encode(t, special=True) for t in texts]
-    # and on random mixtures of the fixtures' characters, code, digits, spaces and specials
-    rng = np.random.default_rng(0)
-    chars = sorted(set("".join(texts[:-2]))) + list(" \n\t0123456789") + ["<|im_start|>", "<end_of_turn>", "  ", "\u00e9t\u00e9"]
-    for _ in range(150):
-        text = "".join(rng.choice(chars, size=int(rng.integers(1, 80))))
-        assert fresh.encode(text, special=True) == whole.encode(text, special=True), repr(text)
-    assert fresh._encoder.whole is None
+    whole = _whole(Tokenizer.from_metadata(fx["meta"]))
+    # partial models from a kept table, and (SentencePiece) with no table: their tokens' rows made
+    for fresh in (Tokenizer.from_metadata(fx["meta"], whole.merges), Tokenizer.from_metadata(fx["meta"])):
+        assert [fresh.encode(t, special=True) for t in texts] == [whole.encode(t, special=True) for t in texts]
+        # and on random mixtures of the fixtures' characters, code, digits, spaces and specials
+        rng = np.random.default_rng(0)
+        chars = sorted(set("".join(texts[:-2]))) + list(" \n\t0123456789") + ["<|im_start|>", "<end_of_turn>", "  ", "\u00e9t\u00e9"]
+        for _ in range(150):
+            text = "".join(rng.choice(chars, size=int(rng.integers(1, 80))))
+            assert fresh.encode(text, special=True) == whole.encode(text, special=True), repr(text)
+        assert fresh._encoder.whole is None
+    assert (fresh._encoder._merges is None) == (tok.kind == "spm")
+
+
+@pytest.mark.real
+def test_spm_rows_of_some_tokens_are_the_whole_tables(real):
+    """The merge rows made for a partial model's tokens are those the whole table has for them,
+    in its order (on the real vocabulary: its scores' ties, its splits)."""
+    tok, fx = real
+    if tok.kind != "spm":
+        pytest.skip("a BPE vocabulary's table is its metadata's merges")
+    enc, rng = tok._encoder, np.random.default_rng(1)
+    table = enc.merges
+    for n in (1, 50, 5000):
+        ids = np.sort(rng.choice(len(tok.tokens), n, replace=False))
+        member = np.zeros(len(tok.tokens), np.bool_)
+        member[ids] = True
+        assert np.array_equal(enc.make(ids.tolist()), table[member[table[:, 2]]])
 
 
 @pytest.mark.real
@@ -190,6 +206,19 @@ def test_a_kept_merge_table_is_taken_and_a_wrong_one_made_again(home, monkeypatc
         again = Tokenizer.from_metadata(meta, bad)
         assert np.array_equal(again.merges, first.merges) and again.encode("abc ab") == first.encode("abc ab")
     assert len(made) == 3
+
+
+def test_spm_table_is_made_for_a_whole_model_only_and_kept(home, monkeypatch):
+    monkeypatch.setattr(tk, "WHOLE_AFTER", float("inf"))
+    kept = []
+    tok = Tokenizer.from_metadata(_spm_meta(), keep=kept.append)
+    assert [tok.tokens[i] for i in tok.encode("abc abz", add_bos=False)] == ["▁abc", "▁ab", "<0x7A>"]
+    assert tok._encoder._merges is None and not kept
+    _whole(tok)
+    assert len(kept) == 1 and kept[0] is tok.merges and len(tok.merges)
+    bpe = []
+    Tokenizer.from_metadata(_bpe_meta(), keep=bpe.append)      # BPE's is made from the metadata at once
+    assert len(bpe) == 1 and bpe[0].shape == (5, 3)
 
 
 def test_bad_merges_are_a_clear_error():
