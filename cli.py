@@ -143,6 +143,8 @@ def _load(model: str | None, threads: int | None = None, fa: str = "auto", types
             with err.status("compiling kernels for this model and settings (first use, up to half a minute)"):
                 warm = backends.first_run(flash, types)
                 try:
+                    if name in catalog.CATALOG and catalog.CATALOG[name].facts:     # compiling while it downloads
+                        warm.expect(catalog.CATALOG[name].facts, draft)
                     m = load(name, update, threads, flash, types, backend, draft, first=warm)
                     warm.warm(m.backend, m.tokenizer.bos_id or 0)
                 finally:

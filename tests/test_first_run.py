@@ -122,6 +122,43 @@ def test_helper_outlives_warm_to_finish_the_long_batches(tmp_path, monkeypatch):
         run.helper.wait()
 
 
+def test_expect_tells_the_helper_before_the_file_and_tell_only_this_process(tmp_path, monkeypatch):
+    """A catalog model's facts reach the helper before the download (expect); tell() then
+    gives this process the file's own needs without telling the helper twice."""
+    import subprocess as sp
+    real = sp.Popen
+    seen = tmp_path / "seen"
+    code = f"import sys; open({str(seen)!r}, 'w').write(sys.stdin.read()); print('ready', flush=True)"
+    monkeypatch.setattr(sp, "Popen", lambda cmd, **kw: real([sys.executable, "-c", code], **kw))
+    f = open_gguf(tiny(tmp_path / "m.gguf", T.Q8_0))
+    cfg = config_from_gguf(f)
+    known = numba_cpu.facts(f, cfg)
+    assert known["matrices"] and all(t == T.Q8_0 for t, _, _ in known["matrices"])
+    run = numba_cpu.FirstRun(True, ("f16", "f16"))
+    try:
+        run.expect(dict(known, head_dim=128))       # an entry saying other than the file
+        run.helper.wait(timeout=60)
+        told = json.loads(seen.read_text())
+        assert told["head_dim"] == 128 and told["kinds"] == numba_cpu.needs(f, cfg)["kinds"]
+        run.tell(f, cfg)
+        assert run.need == numba_cpu.needs(f, cfg) and run.need["head_dim"] == 64
+        assert seen.read_text().count("\n") == 1
+    finally:
+        run.close()
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", ["qwen2.5-coder:0.5b", "qwen2.5-coder:1.5b", "gemma3:270m"])
+def test_catalog_facts_are_the_files(name):
+    """What a first run tells the helper before the download ends (models.catalog) is what
+    the downloaded file says."""
+    from models import catalog
+    f = open_gguf(catalog.fetch(name))
+    assert catalog.CATALOG[name].facts == numba_cpu.facts(f, config_from_gguf(f))
+    for draft in (False, True):
+        assert numba_cpu.needs(None, None, draft, catalog.CATALOG[name].facts) == numba_cpu.needs(f, config_from_gguf(f), draft)
+
+
 @pytest.mark.real
 @pytest.mark.parametrize("name,draft", [("qwen2.5-coder:0.5b", False), ("qwen2.5-coder:0.5b", True), ("gemma3:270m", False)])
 def test_needs_told_early_are_the_backends(name, draft):

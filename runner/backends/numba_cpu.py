@@ -112,12 +112,25 @@ def _packed(f: GGUFFile, cfg: ModelConfig) -> tuple[list, list]:
     return names, groups
 
 
-def needs(f: GGUFFile, cfg: ModelConfig, draft: bool = False) -> dict:
-    """What the backend of a validated file will run (jobs()'s model arguments), known before
-    it is built: its head size, embedding type, repacked kinds and activation."""
-    kinds = quant.packed.file_kinds(f, _packed(f, cfg)[0], DRAFT_Q4_0 if draft else ())
+def facts(f: GGUFFile, cfg: ModelConfig) -> dict:
+    """What needs() reads of a validated file: its head size, embedding type, activation and
+    the distinct [type, rows, columns] of the matrices the backend may repack. A catalog
+    entry lists its model's (models.catalog.Entry.facts): a first run starts compiling
+    before the download ends."""
+    mats = {(int(f.tensors[n].type_id), int(f.tensors[n].dims[1]), int(f.tensors[n].dims[0])) for n in _packed(f, cfg)[0]}
     return dict(head_dim=int(cfg.head_dim), embd_type=int(f.tensors["token_embd.weight"].type_id),
-                kinds=sorted(int(k) for k in kinds), silu=cfg.act == "silu")
+                silu=cfg.act == "silu", matrices=[list(m) for m in sorted(mats)])
+
+
+def needs(f: GGUFFile | None, cfg: ModelConfig | None, draft: bool = False, known: dict | None = None) -> dict:
+    """What the backend of a validated file (or of a model whose facts() are known) will run,
+    jobs()'s model arguments, known before it is built: its head size, embedding type,
+    repacked kinds (the plan quant.packed.pack_file follows on this CPU) and activation."""
+    fs = known or facts(f, cfg)
+    q4_0 = DRAFT_Q4_0 if draft else ()
+    kinds = {quant.packed.KINDS[t] for t in (quant.packed.repack_type(t, r, c, q4_0) for t, r, c in fs["matrices"])
+             if t is not None}
+    return dict(head_dim=fs["head_dim"], embd_type=fs["embd_type"], kinds=sorted(int(k) for k in kinds), silu=fs["silu"])
 
 
 class NumbaCPU:
@@ -419,14 +432,25 @@ class FirstRun:
                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.need, self.claims, self.ready = None, None, False
 
+    def expect(self, known: dict, draft: bool = False) -> None:
+        """A catalog model's needs from its entry's facts, to the helper before the download
+        (which takes 8 s and more from an empty NUMBAT_HOME): it compiles meanwhile."""
+        self._send(needs(None, None, draft, known))
+
     def tell(self, f: GGUFFile, cfg: ModelConfig, draft: bool = False) -> None:
-        """The validated file's needs, to the helper (runner.model.load calls it)."""
+        """The validated file's needs (runner.model.load calls it): this process's list, and
+        the helper's unless expect() gave it one (a file that needs more than its entry said
+        only leaves more jobs to this process)."""
+        self.need = needs(f, cfg, draft)
+        if self.claims is None:
+            self._send(self.need)
+
+    def _send(self, need: dict) -> None:
         import json
         import tempfile
-        self.need = needs(f, cfg, draft)
         self.claims = tempfile.mkdtemp(prefix="numbat-first-run-")
         try:
-            self.helper.stdin.write(json.dumps({"claims": self.claims, **self.need}).encode() + b"\n")
+            self.helper.stdin.write(json.dumps({"claims": self.claims, **need}).encode() + b"\n")
             self.helper.stdin.close()
         except OSError:         # the helper is gone: this process takes every job
             pass
