@@ -4,12 +4,13 @@ and to the process's end (Python start, imports, model open, prefill, one token,
 Cold = an empty kernel cache (everything compiles; the model's repacked weights already kept
 or not, as NUMBAT_HOME has them); --fresh-home: cold runs in an empty NUMBAT_HOME holding only
 a link to this one's models (a first run after install: the repacking and the tokenizer's
-tables are made too); --cold N such runs, each after the last one's background compile
-helper has exited; warm = medians of -r runs after that. With --llama-bin,
+tables are made too); --download: cold runs in an empty NUMBAT_HOME that also downloads the
+catalog model (a newcomer's first command); --cold N such runs, each after the last one's
+background compile helper has exited; warm = medians of -r runs after that. With --llama-bin,
 llama.cpp's `llama-completion -m FILE -p Hi -n 1 -no-cnv` runs alternately with the raw
 numbat command (same file, same threads) and the ratio of their medians is printed.
 
-    python bench/ttft.py [MODEL] [-r 5] [--llama-bin DIR] [--no-cold | --cold N [--fresh-home]]
+    python bench/ttft.py [MODEL] [-r 5] [--llama-bin DIR] [--no-cold | --cold N [--fresh-home | --download]]
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def main():
     ap.add_argument("--no-cold", action="store_true", help="skip the run with an empty kernel cache")
     ap.add_argument("--cold", type=int, default=1, help="runs with an empty kernel cache")
     ap.add_argument("--fresh-home", action="store_true", help="cold runs with an empty NUMBAT_HOME (the models linked)")
+    ap.add_argument("--download", action="store_true", help="cold runs with an empty NUMBAT_HOME: a catalog model is downloaded too")
     a = ap.parse_args()
     # the installed script itself, not a version manager's shim in front of it
     numbat = str(Path(sys.executable).parent / "numbat")
@@ -71,12 +73,13 @@ def main():
         scratch = tempfile.mkdtemp(prefix="numbat-cold-")
         try:
             cold_env = dict(env, NUMBA_CACHE_DIR=os.path.join(scratch, "kernels"))
-            if a.fresh_home:
+            if a.fresh_home or a.download:
                 from models.catalog import home
-                os.symlink(home() / "models", os.path.join(scratch, "models"))
+                if not a.download:
+                    os.symlink(home() / "models", os.path.join(scratch, "models"))
                 cold_env["NUMBAT_HOME"] = scratch
             cold = first_byte(chat, cold_env, settle=True)
-            print(f"cold (empty {'NUMBAT_HOME' if a.fresh_home else 'kernel cache'}): "
+            print(f"cold (empty {'NUMBAT_HOME, downloading' if a.download else 'NUMBAT_HOME' if a.fresh_home else 'kernel cache'}): "
                   f"first byte {cold[0]:.2f} s, whole process {cold[1]:.2f} s", flush=True)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
