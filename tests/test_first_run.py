@@ -52,7 +52,7 @@ CASES = [("qwen2", w, flash, types) for w in (T.Q8_0, T.Q4_K, T.Q6_K)
 @pytest.mark.parametrize("arch,weights,flash,types", CASES + [("gemma3", T.Q8_0, True, ("f16", "f16"))])
 def test_ahead_of_time_signatures_are_the_forwards(tmp_path, arch, weights, flash, types):
     f = open_gguf(tiny(tmp_path / "m.gguf", weights, arch))
-    need = numba_cpu.needs(f, config_from_gguf(f))     # told before the backend is built
+    need = numba_cpu.needs(numba_cpu.facts(f, config_from_gguf(f)))     # told before the backend is built
     be = numba_cpu.NumbaCPU(f, config_from_gguf(f), flash=flash, cache_types=types)
     assert need == dict(head_dim=64, embd_type=int(weights), kinds=sorted(be.packed_kinds()), silu=arch != "gemma3")
     # both processes' jobs (gemma3's GELU: no SiLU kernels ahead); the tiny model's head size 64
@@ -139,9 +139,9 @@ def test_expect_tells_the_helper_before_the_file_and_tell_only_this_process(tmp_
         run.expect(dict(known, head_dim=128))       # an entry saying other than the file
         run.helper.wait(timeout=60)
         told = json.loads(seen.read_text())
-        assert told["head_dim"] == 128 and told["kinds"] == numba_cpu.needs(f, cfg)["kinds"]
+        assert told["head_dim"] == 128 and told["kinds"] == numba_cpu.needs(known)["kinds"]
         run.tell(f, cfg)
-        assert run.need == numba_cpu.needs(f, cfg) and run.need["head_dim"] == 64
+        assert run.need == numba_cpu.needs(known) and run.need["head_dim"] == 64
         assert seen.read_text().count("\n") == 1
     finally:
         run.close()
@@ -155,9 +155,6 @@ def test_catalog_facts_are_the_files(name):
     from models import catalog
     f = open_gguf(catalog.fetch(name))
     assert catalog.CATALOG[name].facts == numba_cpu.facts(f, config_from_gguf(f))
-    for draft in (False, True):
-        assert numba_cpu.needs(None, None, draft, catalog.CATALOG[name].facts) == numba_cpu.needs(f, config_from_gguf(f), draft)
-
 
 @pytest.mark.real
 @pytest.mark.parametrize("name,draft", [("qwen2.5-coder:0.5b", False), ("qwen2.5-coder:0.5b", True), ("gemma3:270m", False)])
@@ -167,7 +164,7 @@ def test_needs_told_early_are_the_backends(name, draft):
     from models import catalog
     f = open_gguf(catalog.fetch(name))
     cfg = config_from_gguf(f)
-    need = numba_cpu.needs(f, cfg, draft)
+    need = numba_cpu.needs(numba_cpu.facts(f, cfg), draft)
     be = numba_cpu.NumbaCPU(f, cfg, draft=draft)
     assert need == dict(head_dim=int(cfg.head_dim), embd_type=int(be.embd.type_id),
                         kinds=sorted(be.packed_kinds()), silu=cfg.act == "silu")

@@ -122,11 +122,10 @@ def facts(f: GGUFFile, cfg: ModelConfig) -> dict:
                 silu=cfg.act == "silu", matrices=[list(m) for m in sorted(mats)])
 
 
-def needs(f: GGUFFile | None, cfg: ModelConfig | None, draft: bool = False, known: dict | None = None) -> dict:
-    """What the backend of a validated file (or of a model whose facts() are known) will run,
-    jobs()'s model arguments, known before it is built: its head size, embedding type,
-    repacked kinds (the plan quant.packed.pack_file follows on this CPU) and activation."""
-    fs = known or facts(f, cfg)
+def needs(fs: dict, draft: bool = False) -> dict:
+    """What the backend of a model of these facts() will run, jobs()'s model arguments, known
+    before it is built: its head size, embedding type, repacked kinds (the plan
+    quant.packed.pack_file follows on this CPU) and activation."""
     q4_0 = DRAFT_Q4_0 if draft else ()
     kinds = {quant.packed.KINDS[t] for t in (quant.packed.repack_type(t, r, c, q4_0) for t, r, c in fs["matrices"])
              if t is not None}
@@ -435,13 +434,13 @@ class FirstRun:
     def expect(self, known: dict, draft: bool = False) -> None:
         """A catalog model's needs from its entry's facts, to the helper before the download
         (which takes 8 s and more from an empty NUMBAT_HOME): it compiles meanwhile."""
-        self._send(needs(None, None, draft, known))
+        self._send(needs(known, draft))
 
     def tell(self, f: GGUFFile, cfg: ModelConfig, draft: bool = False) -> None:
         """The validated file's needs (runner.model.load calls it): this process's list, and
         the helper's unless expect() gave it one (a file that needs more than its entry said
         only leaves more jobs to this process)."""
-        self.need = needs(f, cfg, draft)
+        self.need = needs(facts(f, cfg), draft)
         if self.claims is None:
             self._send(self.need)
 
