@@ -588,13 +588,17 @@ def _matmul(kind: int):
 @njit(cache=True)
 def _quantize_k(X, q4, m, xq, xd, bs16, bs32, sums):
     """The rows of X as Q8_K into the buffers' first rows, rows up to m zero (padding tokens);
-    sums: Q4_K's (q4) sums per 32 as int16 (at most 32 * 128; an int16 view of the kernel's
-    int32 pairs), or Q6_K's offset 32 times the sums per 16. One call per matrix, so
+    sums (int32): Q4_K's (q4) sums per 32 as int16 pairs (each at most 32 * 128; the low
+    half first, as an int16 view of them reads), or Q6_K's offset 32 times the sums per 16.
+    One signature for both (one compilation on a first run); one call per matrix, so
     quantizing costs no Python per row."""
     for i in range(X.shape[0]):
         quantize_x(X[i], xq[i], xd[i], bs16[i], bs32[i])
         for j in range(sums.shape[1]):
-            sums[i, j] = bs32[i, j] if q4 else 32 * bs16[i, j]
+            if q4:
+                sums[i, j] = (bs32[i, 2 * j] & 0xFFFF) | (bs32[i, 2 * j + 1] << 16)
+            else:
+                sums[i, j] = 32 * bs16[i, j]
     for i in range(X.shape[0], m):
         xq[i], xd[i], sums[i] = 0, 0, 0
 
@@ -629,19 +633,17 @@ def _quantized(p: Packed, X: np.ndarray, m: int):
     if b is None or b[0].shape[0] < m:
         z = lambda n, t: np.zeros((max(ROWS, m), n), t)
         if k:       # xq, xd, sums per 16 and per 32, the kernel's sums (Q4_K: int16 pairs)
-            sums = z(c // 64, np.int32) if p.kind == Q4_K else z(c // 16, np.int32)
             b = (z(c, np.int8), z(c // 256, np.float32), z(c // 16, np.int32), z(c // 32, np.int32),
-                 sums, sums.view(np.int16) if p.kind == Q4_K else sums, {})
+                 z(c // 64, np.int32) if p.kind == Q4_K else z(c // 16, np.int32), {})
         else:       # xq, xd, Q8_1's s and the sums per 32 (unused), the sums per 4
-            sums = z(c // 4, np.int32)
             b = (z(c, np.int8), z(c // 32, np.float32), np.zeros(c // 32, np.float32), np.zeros(c // 32, np.int32),
-                 sums, sums, {})
+                 z(c // 4, np.int32), {})
         _bufs[key] = b
-    xq, xd, s1, s2, sums, qsums, views = b      # qsums: sums as the quantizer writes them
+    xq, xd, s1, s2, sums, views = b
     if k:
-        _quantize_k(X, p.kind == Q4_K, m, xq, xd, s1, s2, qsums)
+        _quantize_k(X, p.kind == Q4_K, m, xq, xd, s1, s2, sums)
     else:
-        _quantize_0(X, m, xq, xd, s1, s2, qsums, 0 if p.kind == Q4_0 else LAYOUT[p.kind][2])
+        _quantize_0(X, m, xq, xd, s1, s2, sums, 0 if p.kind == Q4_0 else LAYOUT[p.kind][2])
     v = views.get(m)
     if v is None:
         v = views[m] = (xq[:m], xd[:m], sums[:m], c // (256 if k else 32))
@@ -692,12 +694,13 @@ def matvec(p: Packed, x: np.ndarray, y: np.ndarray) -> None:
     matmul_rows(p, x[None], y[None])
 
 
-QUANTIZERS = (T.Q8_0, T.Q4_K, T.Q6_K)    # _quantize_0, _quantize_k with int16 and int32 sums
+QUANTIZERS = (T.Q8_0, T.Q4_K, T.Q6_K)    # _quantize_0; _quantize_k (Q4_K and Q6_K: one signature)
 
 
 def quantizer_types(kinds) -> set[int]:
-    """The activation quantizers (of QUANTIZERS) that the matmuls of kinds take their input from."""
-    return {T.Q8_0 if k <= Q8_0 else T.Q4_K if k == Q4_K else T.Q6_K for k in kinds}
+    """The activation quantizers (of QUANTIZERS) that the matmuls of kinds take their input
+    from, one type per compiled kernel (Q4_K's compiles Q6_K's: the same function)."""
+    return {T.Q8_0 if k <= Q8_0 else T.Q4_K for k in kinds}
 
 
 def precompile(kinds, quantizers) -> None:
