@@ -19,9 +19,10 @@ _C = [f32(float.fromhex(h)) for h in ("0x1.8p23", "0x1.715476p+0", "0x1.7f7d1cp-
 _R, _LOG2E, _LN2LO, _LN2HI, _P5, _P4, _P3, _P2, _P1 = _C
 
 
-# The attention kernels parallelize their prange loops only: numba would otherwise turn each
+# The parallel kernels parallelize their prange loops only: numba would otherwise turn each
 # np.zeros / np.full in them into a parallel loop of its own, each compiled on the first run
-# (~0.3 s) and started at run time.
+# (~0.3 s) and started at run time; with its other passes off too, a kernel without them
+# (rms_norm) compiles in 0.57-0.60 s against 0.64-0.73.
 PRANGE = dict(numpy=False, comprehension=False, setitem=False, inplace_binop=False, reduction=False, stencil=False)
 
 
@@ -123,7 +124,7 @@ def rope_store(q, k, v, positions, theta_scale, freq_scale, freq_factors, neox, 
                 vc[p, h, o, j] = f2h(v[t, h, j])
 
 
-@njit(parallel=True, fastmath=False, cache=True)
+@njit(parallel=PRANGE, fastmath=False, cache=True)
 def rms_norm(x, w, eps, out):
     """out[i] = x[i] * (1 / sqrt(mean(x[i]^2) + eps)) * w, rows of x (..., n) flattened to
     2-D, in ggml's steps: squares in float32 summed in float64, the mean, eps, sqrt and
@@ -340,13 +341,13 @@ def _silu_mul_row(g, u, out):
         out[j] = g[j] / (f32(1) + expf(-g[j])) * u[j]     # ggml_v_silu
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=PRANGE, cache=True)
 def silu_mul(gate, up, out):
     for i in prange(gate.shape[0]):
         _silu_mul_row(gate[i], up[i], out[i])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=PRANGE, cache=True)
 def silu_mul_halves(gu, out):
     """silu_mul of gu's row halves [gate | up] (a fused gate/up output): row slices of a
     contiguous array, so the loop vectorizes (column views would not)."""
@@ -845,7 +846,7 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
                 out[t, h, j] = accs[e * d + j] * inv
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=PRANGE, cache=True)
 def fwht(x, n):
     """Each run of n values of x (flat length a multiple of n, n a power of 2) times the
     normalized Hadamard matrix, in place, as ggml's CPU fwht (the Hadamard mul_mat that
