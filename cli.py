@@ -144,7 +144,7 @@ def _load(model: str | None, threads: int | None = None, fa: str = "auto", types
                 warm = backends.first_run(flash, types)
                 try:
                     if name in catalog.CATALOG and catalog.CATALOG[name].facts:     # compiling while it downloads
-                        warm.expect(catalog.CATALOG[name].facts, draft)
+                        warm.expect(catalog.CATALOG[name].facts, draft, not catalog.is_cached(name))
                     m = load(name, update, threads, flash, types, backend, draft, first=warm)
                     warm.warm(m.backend, m.tokenizer.bos_id or 0)
                 finally:

@@ -703,6 +703,15 @@ def quantizer_types(kinds) -> set[int]:
     return {T.Q8_0 if k <= Q8_0 else T.Q4_K for k in kinds}
 
 
+def precompile_repack() -> None:
+    """Compile (or load) _repack for the read-only blocks of a mapped file (a first run's
+    helper compiles it while the model downloads: its load then repacks at once)."""
+    _, gb, _, _ = LAYOUT[Q8_0]
+    raw = np.zeros((16, LAYOUT[Q8_0][0]), np.uint8)
+    raw.flags.writeable = False
+    _repack(raw, Q8_0, np.zeros((1, gb), np.uint8), 0, 1)
+
+
 def precompile(kinds, quantizers) -> None:
     """Compile (or load) the matmul kernels of kinds and the activation quantizers of the
     given types, every signature a model's forward calls them with, on one all-zero group

@@ -136,15 +136,37 @@ def test_expect_tells_the_helper_before_the_file_and_tell_only_this_process(tmp_
     assert known["matrices"] and all(t == T.Q8_0 for t, _, _ in known["matrices"])
     run = numba_cpu.FirstRun(True, ("f16", "f16"))
     try:
-        run.expect(dict(known, head_dim=128))       # an entry saying other than the file
+        run.expect(dict(known, head_dim=128), download=True)       # an entry saying other than the file
         run.helper.wait(timeout=60)
         told = json.loads(seen.read_text())
-        assert told["head_dim"] == 128 and told["kinds"] == numba_cpu.needs(known)["kinds"]
+        assert told["head_dim"] == 128 and told["kinds"] == numba_cpu.needs(known)["kinds"] and told["repack"] is True
         run.tell(f, cfg)
         assert run.need == numba_cpu.needs(known) and run.need["head_dim"] == 64
         assert seen.read_text().count("\n") == 1
     finally:
         run.close()
+
+
+@pytest.mark.skipif(not quant.packed.enabled(), reason="this CPU runs no repacked kernels")
+def test_repack_job_compiles_the_loads_repacking(tmp_path, monkeypatch):
+    """The job a helper runs first while the file downloads is the repacking the load then
+    runs (the file's read-only blocks), and only when told the file is yet to come."""
+    need = dict(head_dim=64, embd_type=int(T.Q8_0), kinds=[quant.packed.Q8_0], silu=True)
+    assert [n for n, _ in numba_cpu.jobs(True, ("f16", "f16"), **need, repack=True)][:2] == ["repack", "attention"]
+    assert "repack" not in dict(numba_cpu.jobs(True, ("f16", "f16"), **need))
+    import numba
+    real, calls = quant.packed._repack, []
+
+    def record(*args):      # the numba types of each call's arguments: the signature it compiles
+        calls.append(tuple(numba.typeof(a) for a in args))
+        return real(*args)
+    monkeypatch.setattr(quant.packed, "_repack", record)
+    dict(numba_cpu.jobs(True, ("f16", "f16"), **need, repack=True))["repack"]()
+    ahead, calls[:] = set(calls), []
+    f = open_gguf(tiny(tmp_path / "m.gguf", T.Q8_0))
+    be = numba_cpu.NumbaCPU(f, config_from_gguf(f))
+    assert be.packed_kinds() == {quant.packed.Q8_0}
+    assert calls and set(calls) == ahead
 
 
 @pytest.mark.real

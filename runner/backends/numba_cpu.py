@@ -431,10 +431,11 @@ class FirstRun:
                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.need, self.claims, self.ready = None, None, False
 
-    def expect(self, known: dict, draft: bool = False) -> None:
+    def expect(self, known: dict, draft: bool = False, download: bool = False) -> None:
         """A catalog model's needs from its entry's facts, to the helper before the download
-        (which takes 8 s and more from an empty NUMBAT_HOME): it compiles meanwhile."""
-        self._send(needs(known, draft))
+        (4 s and more from an empty NUMBAT_HOME): it compiles meanwhile, the repacking
+        kernel first if the file is yet to come (download), for this process's load."""
+        self._send(dict(needs(known, draft), repack=download))
 
     def tell(self, f: GGUFFile, cfg: ModelConfig, draft: bool = False) -> None:
         """The validated file's needs (runner.model.load calls it): this process's list, and
@@ -479,15 +480,18 @@ class FirstRun:
             self.helper.wait()
 
 
-def jobs(flash: bool, cache_types: tuple[str, str], head_dim: int, embd_type: int, kinds, silu: bool) -> list:
+def jobs(flash: bool, cache_types: tuple[str, str], head_dim: int, embd_type: int, kinds, silu: bool,
+         repack: bool = False) -> list:
     """FirstRun's compile jobs for a model, (name, function), about the largest first, on empty
     or all-zero arrays of the types the forward passes (tests/test_first_run.py checks they
-    are its signatures): RoPE, the K/V store and attention for short batches and decode (~6 s),
+    are its signatures): repack, the load's repacking of the file (first: the helper's
+    while the file downloads), RoPE, the K/V store and attention for short batches and decode (~6 s),
     the matmul of each weight kind (1.3-3.5 s), the activation quantizers (quant.packed: Q8_0
     for the legacy kinds, Q4_K, Q6_K), the embedding's row lookup, the norm and the
     activation's products (SiLU or GELU)."""
     z, z2 = np.zeros((1, 16), np.float32), np.zeros((2, 16), np.float32)    # z2's halves: strided views
-    out = [("attention", lambda: compile_attention(flash, cache_types, head_dim))]
+    out = [("repack", quant.packed.precompile_repack)] if repack and kinds else []
+    out.append(("attention", lambda: compile_attention(flash, cache_types, head_dim)))
     if quant.packed.enabled():
         out += [(f"matmul-{k}", lambda k=k: quant.packed.precompile(kinds=(k,), quantizers=()))
                 for k in sorted(kinds, reverse=True)]
@@ -560,6 +564,7 @@ def helper() -> None:
     try:
         told = json.loads(sys.stdin.readline())
         need = {k: told[k] for k in ("head_dim", "embd_type", "kinds", "silu")}
+        need["repack"] = told.get("repack") is True
         claims = str(told["claims"])
     except (ValueError, KeyError, TypeError):   # the parent is gone or failed before telling
         return
