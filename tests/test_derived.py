@@ -203,17 +203,24 @@ def test_model_load_keeps_the_string_arrays(home, tmp_path, monkeypatch):
 
 
 def test_model_load_keeps_the_merge_table(home, tmp_path, monkeypatch):
-    """The tokenizer's merge table is made once per file (0.1 s for qwen2.5, seconds for
-    gemma3) and read back after; a damaged entry is made again."""
+    """The tokenizer's merge table is made once per file (0.1 s for qwen2.5, 1.0-1.3 s for
+    gemma3) and read back after; a damaged entry is made again. An SPM vocabulary's (the tiny
+    files have one) is made only when a text first needs the whole vocabulary's model: short
+    texts take their own tokens' rows."""
     from runner import model as rm
     from runner import tokenizer as tk
     path = write_tiny_model(tmp_path / "m.gguf", "qwen2", n_vocab=300)
     first = rm.load(str(path)).tokenizer
+    short = first.encode("ab ba")
+    assert not [e for e in entries(home) if e.startswith("merges-")]
+    long = "ab ba " * tk.PARTIAL_MAX
+    ids = first.encode(long)
+    assert first._encoder.whole is not None and len(first.merges)
     assert [e for e in entries(home) if e.startswith("merges-")]
-    assert len(first.merges)       # the tiny files have an SPM vocabulary
     monkeypatch.setattr(tk, "_spm_merges", lambda *a: pytest.fail("made again despite the kept table"))
     second = rm.load(str(path)).tokenizer
-    assert np.array_equal(second.merges, first.merges) and second.encode("ab cd") == first.encode("ab cd")
+    assert second._encoder._merges is not None and np.array_equal(second.merges, first.merges)
+    assert second.encode("ab ba") == short and second.encode(long) == ids
     entry = next((home / "derived").glob("merges-*"))
     entry.write_bytes(entry.read_bytes()[:derived.HEADER] + b"\x00garbage")
     monkeypatch.undo()
@@ -239,21 +246,3 @@ def test_kept_merges_are_not_checked_again(monkeypatch):
     assert calls == [1] and g.kept == {"tokenizer.ggml.tokens", "tokenizer.ggml.merges"}
     assert all(g.metadata[k] == f.metadata[k] for k in g.kept) and g.metadata.keys() == f.metadata.keys()
 
-
-def test_a_sentencepiece_merge_table_is_kept_once_a_long_text_made_it(home, tmp_path):
-    """Loads of an SPM vocabulary make no merge table (short texts take their tokens' rows);
-    the first text long enough for the whole model makes it, kept for the next load."""
-    from runner import model as rm
-    from runner import tokenizer as tk
-    path = write_tiny_model(tmp_path / "m.gguf", "llama", n_vocab=300)
-    first = rm.load(str(path))
-    short = first.tokenizer.encode("ab ba")
-    assert not [e for e in entries(home) if e.startswith("merges-")]
-    long = "ab ba " * tk.PARTIAL_MAX
-    ids = first.tokenizer.encode(long)
-    assert first.tokenizer._encoder.whole is not None
-    assert [e for e in entries(home) if e.startswith("merges-")]
-    second = rm.load(str(path))
-    assert second.tokenizer._encoder._merges is not None
-    assert np.array_equal(second.tokenizer.merges, first.tokenizer.merges)
-    assert second.tokenizer.encode("ab ba") == short and second.tokenizer.encode(long) == ids
