@@ -242,11 +242,16 @@ def _download(requirements, into: Path, started: Callable[[int], None] | None = 
     last = 0
     with tempfile.TemporaryFile("w+") as err:
         p = subprocess.Popen(_pip(requirements, into), stdout=subprocess.PIPE, stderr=err, text=True)
-        for line in p.stdout:
-            if line.startswith("Collecting ") and len(line.split()) > 1 and _dist(line.split()[1]) in dists:
-                last = dists.index(_dist(line.split()[1]))
-                if started:
-                    started(last)
+        try:
+            for line in p.stdout:
+                if line.startswith("Collecting ") and len(line.split()) > 1 and _dist(line.split()[1]) in dists:
+                    last = dists.index(_dist(line.split()[1]))
+                    if started:
+                        started(last)
+        except BaseException:   # interrupted (or the progress failed): no pip left running
+            p.kill()
+            p.wait()
+            raise
         code = p.wait()
         err.seek(0)
         lines = err.read().strip().splitlines()

