@@ -411,11 +411,11 @@ class NumbaCPU:
 
 class FirstRun:
     """The first run on a machine compiles every kernel the model needs (numba caches them
-    after). Two processes share it: a helper started now waits while the model downloads;
-    tell() gives it what the model needs (head size, embedding type, weight kinds,
-    activation) as soon as the file is validated, and it starts down the list of compile jobs,
-    largest first, while this process goes on loading (a first load decodes the tokenizer and
-    repacks the weights: 2-5 s for gemma3). warm() then takes this process down the same list,
+    after). Two processes share it: a helper started now is told what the model needs (head
+    size, embedding type, weight kinds, activation) by expect() before a catalog model's
+    download (from its entry), else by tell() as soon as the file is validated, and it
+    starts down the list of compile jobs, largest first, while this process goes on
+    downloading and loading (a first load repacks the weights: 1-3 s). warm() then takes this process down the same list,
     each process taking the next job the other has not claimed (a file created exclusively
     per job), so their shares come out even for any model. When the helper has no job left it
     says so; this process then runs the model's own forward, which loads everything from the
