@@ -12,14 +12,13 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.catalog import home as default_home  # noqa: E402
+from ttft import first_byte  # noqa: E402  (bench/ is this script's directory)
 
 
 def run(checkout: str, model: str, linked: bool) -> float:
@@ -28,18 +27,8 @@ def run(checkout: str, model: str, linked: bool) -> float:
         if linked:
             os.symlink(default_home() / "models", os.path.join(home, "models"))
         env = dict(os.environ, NUMBAT_HOME=home, NUMBA_CACHE_DIR=os.path.join(home, "kernels"))
-        t = time.perf_counter()
-        p = subprocess.Popen([sys.executable, "-m", "cli", "prompt", model, "Hi", "-n", "1"], cwd=checkout, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        if p.wait():
-            sys.exit(f"{checkout}: the first run failed with exit code {p.returncode}")
-        took = time.perf_counter() - t
-        while True:             # the helper finishing in the background: the next run gets both cores
-            try:
-                os.killpg(p.pid, 0)
-                time.sleep(0.2)
-            except (ProcessLookupError, PermissionError):
-                return took
+        cmd = [sys.executable, "-m", "cli", "prompt", model, "Hi", "-n", "1"]
+        return first_byte(cmd, env, settle=True, cwd=checkout)[1]      # whole process, helper waited for
     finally:
         shutil.rmtree(home, ignore_errors=True)
 

@@ -25,11 +25,12 @@ import time
 from pathlib import Path
 
 
-def first_byte(cmd: list[str], env: dict, settle: bool = False) -> tuple[float, float]:
+def first_byte(cmd: list[str], env: dict, settle: bool = False, cwd: str | None = None) -> tuple[float, float]:
     """settle: then wait until every process the command left behind (a first run's compile
     helper finishing in the background) has exited, so the next run has both cores."""
     t = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=settle)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=settle,
+                         cwd=cwd)
     p.stdout.read(1)
     ttft = time.perf_counter() - t
     p.stdout.read()
