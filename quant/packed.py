@@ -694,7 +694,7 @@ def matvec(p: Packed, x: np.ndarray, y: np.ndarray) -> None:
     matmul_rows(p, x[None], y[None])
 
 
-QUANTIZERS = (T.Q8_0, T.Q4_K, T.Q6_K)    # _quantize_0; _quantize_k (Q4_K and Q6_K: one signature)
+QUANTIZERS = (T.Q8_0, T.Q4_K)    # _quantize_0; _quantize_k (Q6_K's too: one signature)
 
 
 def quantizer_types(kinds) -> set[int]:
@@ -706,8 +706,8 @@ def quantizer_types(kinds) -> set[int]:
 def precompile_repack() -> None:
     """Compile (or load) _repack for the read-only blocks of a mapped file (a first run's
     helper compiles it while the model downloads: its load then repacks at once)."""
-    _, gb, _, _ = LAYOUT[Q8_0]
-    raw = np.zeros((16, LAYOUT[Q8_0][0]), np.uint8)
+    bs, gb, _, _ = LAYOUT[Q8_0]
+    raw = np.zeros((16, bs), np.uint8)
     raw.flags.writeable = False
     _repack(raw, Q8_0, np.zeros((1, gb), np.uint8), 0, 1)
 
