@@ -133,7 +133,8 @@ def _load(model: str | None, threads: int | None = None, fa: str = "auto", types
     if types[1] != "f16" and fa == "off":
         raise UserError("a quantized V cache needs flash attention: drop -fa off or -ctv (llama.cpp refuses it too)")
     name = model or catalog.DEFAULT_MODEL
-    if name in catalog.CATALOG and not catalog.is_cached(name):
+    pulling = name in catalog.CATALOG and not catalog.is_cached(name)
+    if pulling:
         err.print(f"pulling {name} (first use)")
     update, bar = _download_progress()
     mark = _warm_mark(name, flash, types, draft)
@@ -144,7 +145,7 @@ def _load(model: str | None, threads: int | None = None, fa: str = "auto", types
                 warm = backends.first_run(flash, types)
                 try:
                     if name in catalog.CATALOG and catalog.CATALOG[name].facts:     # compiling while it downloads
-                        warm.expect(catalog.CATALOG[name].facts, draft, not catalog.is_cached(name))
+                        warm.expect(catalog.CATALOG[name].facts, draft, pulling)
                     m = load(name, update, threads, flash, types, backend, draft, first=warm)
                     warm.warm(m.backend, m.tokenizer.bos_id or 0)
                 finally:
