@@ -63,6 +63,8 @@ DraftOpt = Annotated[Optional[str], typer.Option(
     "--draft", help="Speculative decoding: a smaller model of the same vocabulary guesses, MODEL checks.")]
 DraftMaxOpt = Annotated[Optional[int], typer.Option(
     "--draft-max", help="Guesses per check, 1-15 (default 3 with --draft, 4 with --lookup).")]
+DraftPMinOpt = Annotated[Optional[float], typer.Option(
+    "--draft-p-min", help="A draft stops guessing before a guess it gives less than this probability, 0-1 (default 0; llama.cpp's is 0.75).")]
 LookupOpt = Annotated[bool, typer.Option(
     "--lookup", help="Speculative decoding without a draft: guess what followed the last n-gram earlier in the text.")]
 LookupNgramOpt = Annotated[Optional[int], typer.Option("--lookup-ngram", help="Longest n-gram --lookup matches (default 3).")]
@@ -186,21 +188,28 @@ def _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed):
         raise UserError(str(e)) from None
 
 
-def _speculation(draft, draft_max, lookup, lookup_ngram):
+def _speculation(draft, draft_max, lookup, lookup_ngram, draft_p_min=None):
     """Check the speculation flags before any model loads; returns a function that builds the
     proposer for a loaded target and context length, or None."""
     if draft is None and not lookup:
         if draft_max is not None or lookup_ngram is not None:
             raise UserError("--draft-max and --lookup-ngram need --draft MODEL or --lookup")
+        if draft_p_min is not None:
+            raise UserError("--draft-p-min needs --draft MODEL")
         return None
     if draft is not None and lookup:
         raise UserError("give --draft MODEL or --lookup, not both")
     from runner.backends import CHECK_ROWS
-    from runner.speculative import DRAFT_K, LOOKUP_K, LOOKUP_NGRAM, DraftModel, PromptLookup
+    from runner.speculative import DRAFT_K, DRAFT_P_MIN, LOOKUP_K, LOOKUP_NGRAM, DraftModel, PromptLookup
     k = draft_max if draft_max is not None else DRAFT_K if draft else LOOKUP_K
     # the last token and the guesses are checked in one batch, exact only up to CHECK_ROWS tokens
     if not 1 <= k < CHECK_ROWS:
         raise UserError(f"--draft-max must be in 1..{CHECK_ROWS - 1}, got {k}")
+    if lookup and draft_p_min is not None:
+        raise UserError("--draft-p-min needs --draft MODEL (a lookup guess has no probability)")
+    p_min = DRAFT_P_MIN if draft_p_min is None else draft_p_min
+    if not 0 <= p_min <= 1:
+        raise UserError(f"--draft-p-min must be in 0..1, got {p_min}")
     if lookup:
         n = lookup_ngram if lookup_ngram is not None else LOOKUP_NGRAM
         if n < 1:
@@ -209,7 +218,8 @@ def _speculation(draft, draft_max, lookup, lookup_ngram):
     if lookup_ngram is not None:
         raise UserError("--lookup-ngram needs --lookup")
     return lambda m, n_ctx, threads: DraftModel(m, _load(draft, threads, 'on' if m.backend.flash else 'off', m.backend.cache_types,
-                                                         "mlx" if m.backend.name == "mlx" else "numba", draft=True), n_ctx, k)
+                                                         "mlx" if m.backend.name == "mlx" else "numba", draft=True), n_ctx, k,
+                                                p_min=p_min)
 
 
 def _spec_line(spec) -> str:
@@ -469,7 +479,7 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
            as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
            verbose: Annotated[bool, typer.Option("--verbose", "-v", help="End with a stats line.")] = False,
            draft: DraftOpt = None, draft_max: DraftMaxOpt = None, lookup: LookupOpt = False,
-           lookup_ngram: LookupNgramOpt = None,
+           lookup_ngram: LookupNgramOpt = None, draft_p_min: DraftPMinOpt = None,
            schema: SchemaOpt = None, json_object: JsonObjectOpt = False, grammar: GrammarOpt = None,
            regex: RegexOpt = None):
     """One reply to TEXT, streamed as it is generated."""
@@ -483,7 +493,7 @@ def prompt(args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT; TEXT '-
     if ctx is not None and ctx < 16:
         raise UserError(f"-c/--ctx must be at least 16, got {ctx}")
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
-    speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
+    speculation = _speculation(draft, draft_max, lookup, lookup_ngram, draft_p_min)
     spec = _constraint(schema, json_object, grammar, regex, speculation)
     text = _read_text(text)
     m = _load(model, threads, fa, (ctk, ctv), backend)
@@ -541,7 +551,7 @@ def chat(model: ModelArg = None,
          ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context length (default 4096).")] = None,
          threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16", backend: BackendOpt = "auto",
          draft: DraftOpt = None, draft_max: DraftMaxOpt = None, lookup: LookupOpt = False,
-         lookup_ngram: LookupNgramOpt = None,
+         lookup_ngram: LookupNgramOpt = None, draft_p_min: DraftPMinOpt = None,
          schema: SchemaOpt = None, json_object: JsonObjectOpt = False, grammar: GrammarOpt = None,
          regex: RegexOpt = None):
     """A multi-turn chat in the terminal. History stays in the KV cache: each turn runs only its new tokens.
@@ -551,7 +561,7 @@ def chat(model: ModelArg = None,
     if max_tokens < -1:
         raise UserError(f"-n/--max-tokens must be -1 or more, got {max_tokens}")
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
-    speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
+    speculation = _speculation(draft, draft_max, lookup, lookup_ngram, draft_p_min)
     spec = _constraint(schema, json_object, grammar, regex, speculation)
     m = _load(model, threads, fa, (ctk, ctv), backend)
     n_ctx = m.context_length(ctx)
@@ -623,7 +633,7 @@ def bench(model: ModelArg = None,
           threads: Annotated[Optional[int], typer.Option("--threads", "-t")] = None, fa: FlashOpt = "auto", ctk: CtkOpt = "f16", ctv: CtvOpt = "f16", backend: BackendOpt = "auto",
           as_json: Annotated[bool, typer.Option("--json", help="One JSON object per test, per line.")] = False,
           draft: DraftOpt = None, draft_max: DraftMaxOpt = None, lookup: LookupOpt = False,
-          lookup_ngram: LookupNgramOpt = None):
+          lookup_ngram: LookupNgramOpt = None, draft_p_min: DraftPMinOpt = None):
     """Prompt processing and generation speed, as llama-bench measures them (random tokens, empty context,
     or with -d a context already holding that many random tokens).
     With --draft or --lookup, also greedy generation on a fixed code prompt, plain and speculative."""
@@ -637,7 +647,7 @@ def bench(model: ModelArg = None,
         if not (part.isascii() and part.isdigit()):      # no sign, no point: a count of tokens
             raise UserError(f"-d/--n-depth must be integers >= 0, comma-separated (as 0,4096), got {n_depth!r}")
         depths.append(int(part))
-    speculation = _speculation(draft, draft_max, lookup, lookup_ngram)
+    speculation = _speculation(draft, draft_max, lookup, lookup_ngram, draft_p_min)
     m = _load(model, threads, fa, (ctk, ctv), backend)
     rng = np.random.default_rng(0)
     rows = []

@@ -44,9 +44,11 @@ def main():
     models, props = {}, {}
     for spec in a.draft or ["qwen2.5-coder:0.5b", "qwen2.5-coder:0.5b:file"]:
         name, _, k = spec.partition("@")
+        k, _, p_min = k.partition("/")
         if name not in models:
             models[name] = load(name.removesuffix(":file"), draft=not name.endswith(":file"))
-        props[spec] = DraftModel(target, models[name], cache.n_ctx, k=int(k) if k else DRAFT_K)
+        props[spec] = DraftModel(target, models[name], cache.n_ctx, k=int(k) if k else DRAFT_K,
+                                 p_min=float(p_min) if p_min else 0.0)
     prompts = [BENCH_CODE] + [p.read_text() for p in sorted((ROOT / "bench" / "prompts").glob("code_*.txt"))]
     rates = {k: [] for k in ["plain", *props]}
     per_check = {k: [] for k in props}

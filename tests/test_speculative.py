@@ -28,7 +28,7 @@ from runner.generate import Done, Notice, generate
 from runner.kv_cache import KVCache
 from runner.model import ModelError, load
 from runner.sampler import Sampler, SamplerConfig
-from runner.speculative import (DRAFT_K, LOOKUP_K, LOOKUP_NGRAM, DraftHead, DraftModel, PromptLookup,
+from runner.speculative import (DRAFT_K, DRAFT_P_MIN, LOOKUP_K, LOOKUP_NGRAM, DraftHead, DraftModel, PromptLookup,
                                 accept_prob, check_compatible, residual, speculative_generate)
 from test_cli import assert_one_line_error, call_main, invoke, run
 
@@ -195,10 +195,12 @@ def test_a_draft_runs_its_wider_matrices_as_q4_0(tiny):
 
 
 PROPOSERS = {
-    "draft k=4": lambda t, d, n_ctx: DraftModel(t, d, n_ctx, k=4),
-    "draft k=1": lambda t, d, n_ctx: DraftModel(t, d, n_ctx, k=1),
-    "draft head 64": lambda t, d, n_ctx: DraftModel(t, d, n_ctx, k=4, head=64),   # ids past 64 from the context
-    "self k=15": lambda t, d, n_ctx: DraftModel(t, t, n_ctx, k=15),   # every guess accepted
+    # p_min=0 (the default, written out): every draft guesses k (a random model's guesses are doubtful)
+    "draft k=4": lambda t, d, n_ctx: DraftModel(t, d, n_ctx, k=4, p_min=0),
+    "draft k=1": lambda t, d, n_ctx: DraftModel(t, d, n_ctx, k=1, p_min=0),
+    "draft head 64": lambda t, d, n_ctx: DraftModel(t, d, n_ctx, k=4, head=64, p_min=0),   # ids past 64 from the context
+    "draft k=8 p_min": lambda t, d, n_ctx: DraftModel(t, d, n_ctx, k=8, p_min=0.3),      # checks of every size
+    "self k=15": lambda t, d, n_ctx: DraftModel(t, t, n_ctx, k=15, p_min=0),   # every guess accepted
     "lookup": lambda t, d, n_ctx: PromptLookup(ngram=3, k=8),
 }
 PROMPTS = [[1] + np.random.default_rng(i).integers(259, 384, 3 + 3 * i % 28).tolist() for i in range(20)]
@@ -416,6 +418,7 @@ def test_help_states_the_defaults():
         helps = {p.name: p.help for p in typer.main.get_command(cli.app).commands[cmd].params}
         assert f"default {DRAFT_K} with --draft, {LOOKUP_K} with --lookup" in helps["draft_max"]
         assert f"default {LOOKUP_NGRAM}" in helps["lookup_ngram"]
+        assert f"(default {DRAFT_P_MIN:g};" in helps["draft_p_min"]
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -424,6 +427,9 @@ def test_help_states_the_defaults():
     (["chat", "--draft-max", "2"], "--draft-max and --lookup-ngram need --draft MODEL or --lookup"),
     (["bench", "--lookup", "--lookup-ngram", "0"], "--lookup-ngram must be at least 1, got 0"),
     (["prompt", "--draft", "d.gguf", "--lookup-ngram", "2", "hi"], "--lookup-ngram needs --lookup"),
+    (["prompt", "--draft", "d.gguf", "--draft-p-min", "1.5", "hi"], "--draft-p-min must be in 0..1, got 1.5"),
+    (["prompt", "--lookup", "--draft-p-min", "0.5", "hi"], "--draft-p-min needs --draft MODEL"),
+    (["chat", "--draft-p-min", "0.5"], "--draft-p-min needs --draft MODEL"),
 ])
 def test_bad_speculation_flags(monkeypatch, capsys, args, needle):
     code, out, err = call_main(monkeypatch, capsys, *args)
@@ -499,3 +505,24 @@ def test_real_greedy_with_draft_is_plain_greedy():
 @pytest.mark.real
 def test_real_greedy_with_lookup_is_plain_greedy(qwen05):
     _check_real(qwen05, PromptLookup())
+
+
+def test_a_draft_stops_before_a_doubtful_guess(tiny):
+    """propose() guesses up to the first guess the draft gives less than p_min, its softmax
+    probability computed here from a plain forward of the draft."""
+    target, draft = tiny
+    lengths = set()
+    for ctx in PROMPTS[:6]:
+        guesses, _ = DraftModel(target, draft, 64, k=8, p_min=0).propose(ctx, 8, Sampler(GREEDY))
+        assert len(guesses) == 8
+        probs = []
+        for i, g in enumerate(guesses):
+            x = draft.backend.forward(ctx + guesses[:i], draft.make_cache(64))[-1].astype(np.float64)
+            e = np.exp(x - x.max())
+            probs.append(e[g] / e.sum())
+        for p_min in [0.0, 1.0] + [(a + b) / 2 for a, b in zip(sorted(probs), sorted(probs)[1:])]:
+            expect = next((i for i, p in enumerate(probs) if p < p_min), 8)
+            got, _ = DraftModel(target, draft, 64, k=8, p_min=p_min).propose(ctx, 8, Sampler(GREEDY))
+            assert got == guesses[:expect], p_min
+            lengths.add(expect)
+    assert len(lengths) >= 4        # stops at none, all and some guesses
