@@ -211,14 +211,11 @@ class DraftModel:
         return logits
 
     def _prob(self, logits: np.ndarray, x: int) -> float:
-        """The draft's probability of its greedy guess x (0 where penalties made it not the top
-        logit): the softmax over the ids its head covers, 26 us for the prefix's 32768 where the
-        whole vocabulary's -inf cells would take 0.8 ms."""
+        """The draft's softmax probability of its guess x over the ids its head covers (26 us
+        for the prefix's 32768, where the whole vocabulary's -inf cells would take 0.8 ms)."""
         parts = [logits] if self.head is None else [logits[:self.head.n], logits[self.head.extra_ids]]
-        top = max(float(p.max()) for p in parts if len(p))
-        if logits[x] != top:
-            return 0.0
-        return 1.0 / sum(float(np.exp(p - np.float32(top)).sum()) for p in parts)
+        top = np.float32(max(float(p.max()) for p in parts if len(p)))
+        return float(np.exp(logits[x] - top)) / sum(float(np.exp(p - top).sum()) for p in parts)
 
     def _over_target_vocab(self, q: np.ndarray) -> np.ndarray | None:
         """q over the target's ids. Draft-only ids are never proposed: their mass is dropped
