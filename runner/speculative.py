@@ -184,7 +184,7 @@ class DraftModel:
                 out.append(x)
             else:
                 q = self._over_target_vocab(sampler.dist(logits, context + out))
-                if q is None or q.max() < self.p_min:
+                if q is None or (self.p_min and q.max() < self.p_min):
                     break
                 out.append(sampler.sample(q))
                 qs.append(q)

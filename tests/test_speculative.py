@@ -199,7 +199,7 @@ PROPOSERS = {
     "draft k=4": lambda t, d, n_ctx: DraftModel(t, d, n_ctx, k=4, p_min=0),
     "draft k=1": lambda t, d, n_ctx: DraftModel(t, d, n_ctx, k=1, p_min=0),
     "draft head 64": lambda t, d, n_ctx: DraftModel(t, d, n_ctx, k=4, head=64, p_min=0),   # ids past 64 from the context
-    "draft k=8 p_min": lambda t, d, n_ctx: DraftModel(t, d, n_ctx, k=8, p_min=0.3),      # checks of every size
+    "draft k=8 p_min": lambda t, d, n_ctx: DraftModel(t, d, n_ctx, k=8, p_min=0.3),      # stops at doubtful guesses
     "self k=15": lambda t, d, n_ctx: DraftModel(t, t, n_ctx, k=15, p_min=0),   # every guess accepted
     "lookup": lambda t, d, n_ctx: PromptLookup(ngram=3, k=8),
 }
