@@ -563,26 +563,79 @@ BATCH_STEP = (LSTEP, LSTEP, LSTEP, 4, 4)    # by kind (Q4_K, Q6_K: llama.cpp's f
 _group1, _group4, _groupb = _dispatch((1,) * 5), _dispatch((4,) * 5), _dispatch(BATCH_STEP, True)
 
 
-@functools.cache
-def _matmul(kind: int):
-    """The matmul kernel of one kind (a constant inside: numba prunes the other kinds'
-    kernels, so a first run compiles the kinds its model has): y (T, rows) for the T tokens
-    of xq, the first nbatch (a multiple of the kind's BATCH_STEP) by the batch kernels, the
-    rest four at a time, then one, by decode's. Not fastmath: LLVM would then be free to fuse
-    or reorder the float steps differently in the 1- and 4-token kernels, and a token checked
-    in a group must get the bits it gets alone."""
-    step = LSTEP if kind <= Q8_0 else 4
+_PTR = lambda t: types.CPointer(t)
+# a group kernel's C signature: pk (its data, groups, bytes per group row), g, nb, then xq, xd,
+# isum and y (data and row length; xq also its rows T), nbatch
+_GROUP_SIG = types.void(_PTR(types.uint8), types.int64, types.int64, types.int64, types.int64, types.int64,
+                        _PTR(types.int8), types.int64, types.int64, _PTR(types.float32), types.int64,
+                        _PTR(types.int32), types.int64, _PTR(types.float32), types.int64, types.int64)
+_kernels: dict[int, object] = {}      # kind -> its compiled group kernel (a numba cfunc)
 
-    def _matmul_kernel(pk, nb, xq, xd, isum, y, nbatch):
-        T4 = xq.shape[0] // 4 * 4
-        for g in prange(pk.shape[0]):
-            for t0 in range(0, nbatch, step):
-                _groupb(kind, pk, g, nb, xq, xd, isum, y, t0)
-            for t0 in range(nbatch, T4, 4):
-                _group4(kind, pk, g, nb, xq, xd, isum, y, t0)
-            for t0 in range(T4, xq.shape[0]):
-                _group1(kind, pk, g, nb, xq, xd, isum, y, t0)
-    return njit(parallel=True, cache=True)(_matmul_kernel)
+
+def _kernel(kind: int):
+    """The compiled kernel of one kind for one group of 16 rows and all T tokens of xq: the
+    first nbatch (a multiple of the kind's BATCH_STEP) by the batch kernels, the rest four at
+    a time, then one, by decode's. A C function of its own (numba's cfunc, cached), called
+    through its address by the one parallel loop (_run): numba links a jit callee's code into
+    every caller and optimizes and compiles it again there (a prange body four times over:
+    gufunc, two wrappers, the caller), which was most of a kind's first-run compile. Not
+    fastmath: LLVM would then be free to fuse or reorder the float steps differently in the
+    1- and 4-token kernels, and a token checked in a group must get the bits it gets alone."""
+    if kind not in _kernels:
+        step = LSTEP if kind <= Q8_0 else 4
+
+        def group(pk_, n_groups, row_bytes, g0, g1, nb, xq_, T, nx, xd_, nd, is_, ns, y_, ny, nbatch):
+            pk = numba.carray(pk_, (n_groups, row_bytes))
+            xq, xd = numba.carray(xq_, (T, nx)), numba.carray(xd_, (T, nd))
+            isum, y = numba.carray(is_, (T, ns)), numba.carray(y_, (T, ny))
+            T4 = T // 4 * 4
+            for g in range(g0, g1):
+                for t0 in range(0, nbatch, step):
+                    _groupb(kind, pk, g, nb, xq, xd, isum, y, t0)
+                for t0 in range(nbatch, T4, 4):
+                    _group4(kind, pk, g, nb, xq, xd, isum, y, t0)
+                for t0 in range(T4, T):
+                    _group1(kind, pk, g, nb, xq, xd, isum, y, t0)
+        _kernels[kind] = numba.cfunc(_GROUP_SIG, cache=True)(group)
+    return _kernels[kind]
+
+
+@intrinsic
+def _call_group(typingctx, fn, pk, g0, g1, nb, xq, xd, isum, y, nbatch):
+    """Call the group kernel at address fn (_kernel) on C-contiguous arrays (the kernels
+    read them through flat offsets)."""
+    def codegen(context, builder, sig, args):
+        p8 = ir.IntType(8).as_pointer()
+        out = []
+        for k, (ty, a) in enumerate(zip(sig.args[1:], args[1:])):
+            if isinstance(ty, types.Array):
+                arr = context.make_array(ty)(context, builder, a)
+                shape = cgutils.unpack_tuple(builder, arr.shape, 2)
+                out.append(builder.bitcast(arr.data, p8))
+                out += ([shape[0], shape[1]] if k in (0, 4) else [shape[1]])  # pk and xq: both dims
+            else:
+                out.append(a)
+        fnty = ir.FunctionType(ir.VoidType(), [v.type for v in out])
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), out)
+        return context.get_dummy_value()
+    return types.none(fn, pk, g0, g1, nb, xq, xd, isum, y, nbatch), codegen
+
+
+@njit(parallel=True, cache=True)
+def _run(fn, n, pk, nb, xq, xd, isum, y, nbatch):
+    """y (T, rows) for the T tokens of xq: the group kernel at fn on n even runs of groups, one
+    call each (n: the threads; a call per group cost 20-40 ns each, 1-2% of a decode step)."""
+    G = pk.shape[0]
+    for i in prange(n):
+        if G * i // n < G * (i + 1) // n:
+            _call_group(fn, pk, G * i // n, G * (i + 1) // n, nb, xq, xd, isum, y, nbatch)
+
+
+def _matmul(kind: int):
+    """The matmul of one kind: f(pk, nb, xq, xd, isum, y, nbatch) on numba's threads (for
+    bench/packed_ab.py, which calls revisions' kernels by this name)."""
+    fn = _kernel(kind).address
+    return lambda *a: _run(fn, numba.get_num_threads(), *a)
 
 
 @njit(cache=True)
@@ -681,12 +734,12 @@ def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True, rou
         rounded[key] = xq, xd, isum, nb
     nbatch = batch_tokens(p.kind, n) if batch else 0
     if m == n and Y.flags.c_contiguous:     # the kernels write through flat offsets
-        _matmul(p.kind)(p.data, nb, xq, xd, isum, Y, nbatch)
+        _run(_kernel(p.kind).address, numba.get_num_threads(), p.data, nb, xq, xd, isum, Y, nbatch)
         return
     Yp = _ybuf.get(p.rows)
     if Yp is None or Yp.shape[0] < m:
         Yp = _ybuf[p.rows] = np.empty((max(ROWS, m), p.rows), np.float32)
-    _matmul(p.kind)(p.data, nb, xq, xd, isum, Yp[:m], nbatch)
+    _run(_kernel(p.kind).address, numba.get_num_threads(), p.data, nb, xq, xd, isum, Yp[:m], nbatch)
     Y[:] = Yp[:n]
 
 
@@ -712,15 +765,17 @@ def precompile_repack() -> None:
     _repack(raw, Q8_0, np.zeros((1, gb), np.uint8), 0, 1)
 
 
-def precompile(kinds, quantizers) -> None:
-    """Compile (or load) the matmul kernels of kinds and the activation quantizers of the
-    given types, every signature a model's forward calls them with, on one all-zero group
-    (the first run shares them between two processes: runner.backends.numba_cpu.FirstRun)."""
+def precompile(kinds, quantizers, run: bool = False) -> None:
+    """Compile (or load) the group kernels of kinds, the activation quantizers of the given
+    types and (run) the parallel loop over groups, every signature a model's forward calls
+    them with (the first run shares them between two processes:
+    runner.backends.numba_cpu.FirstRun)."""
     for t in QUANTIZERS:
         if t in quantizers:
             _, gb, _, nv = LAYOUT[KINDS[t]]
             _quantized(Packed(t, np.zeros((1, gb), np.uint8), 16, nv), np.zeros((1, nv), np.float32), 1)
     for kind in kinds:
-        _, gb, _, nv = LAYOUT[kind]
-        xq, xd, isum = np.zeros((1, nv), np.int8), np.zeros((1, nv // 32), np.float32), np.zeros((1, nv // 4), np.int32)
-        _matmul(kind)(np.zeros((1, gb), np.uint8), 1, xq, xd, isum, np.zeros((1, 16), np.float32), 0)
+        _kernel(kind)
+    if run:         # no groups: the kernel address is never called
+        _run(0, 1, np.zeros((0, 16), np.uint8), 1, np.zeros((1, 32), np.int8), np.zeros((1, 1), np.float32),
+             np.zeros((1, 8), np.int32), np.zeros((1, 16), np.float32), 0)

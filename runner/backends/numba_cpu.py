@@ -486,7 +486,8 @@ def jobs(flash: bool, cache_types: tuple[str, str], head_dim: int, embd_type: in
     or all-zero arrays of the types the forward passes (tests/test_first_run.py checks they
     are its signatures): repack, the load's repacking of the file (first: the helper's
     while the file downloads), RoPE, the K/V store and attention for short batches and decode (~6 s),
-    the matmul of each weight kind (1.3-3.5 s), the activation quantizers (quant.packed: Q8_0
+    the group kernel of each weight kind (1-3 s), the parallel loop over groups they share
+    (~1 s), the activation quantizers (quant.packed: Q8_0
     for the legacy kinds, Q4_K, Q6_K), the embedding's row lookup, the norm and the
     activation's products (SiLU or GELU)."""
     z, z2 = np.zeros((1, 16), np.float32), np.zeros((2, 16), np.float32)    # z2's halves: strided views
@@ -495,6 +496,7 @@ def jobs(flash: bool, cache_types: tuple[str, str], head_dim: int, embd_type: in
     if quant.packed.enabled():
         out += [(f"matmul-{k}", lambda k=k: quant.packed.precompile(kinds=(k,), quantizers=()))
                 for k in sorted(kinds, reverse=True)]
+        out.append(("matmul", lambda: quant.packed.precompile(kinds=(), quantizers=(), run=True)))
         out += [(f"quantizer-{t}", lambda t=t: quant.packed.precompile(kinds=(), quantizers={t}))
                 for t in sorted(quant.packed.quantizer_types(kinds))]
     if embd_type in quant.QTYPES:
