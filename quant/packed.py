@@ -12,7 +12,7 @@ They sum the same integers as the row kernels, and add them into float32 in the 
 the kernel llama.cpp runs for the type and batch size (tests/llama_orders.py; the README
 lists them), so that the results are llama.cpp's bit for bit: a batch takes its batch
 kernels' order (batch_tokens), decode and speculative checks (batch=False) its one-token
-kernels' order for every token. Hence _matmul is not fastmath: LLVM would reorder.
+kernels' order for every token. Hence the group kernels (_kernel) are not fastmath: LLVM would reorder.
 
 Per group of 16 rows and block b:
   Q4_0 (288): 4 chunks of nibble bytes: chunk c byte 4i+j = row i's byte 4c+j, whose low
@@ -278,7 +278,7 @@ def _rows16(kind, n_tok, batch=False):
     X as xq (T, n) int8, xd (T, blocks) float32 scales, isum (T, .) sums of xq (int32; Q4_0
     per 32 values; Q5_0/Q8_0 -offset times the sums per 4; Q4_K per 32, two int16 sums in
     each int32; Q6_K 32 times the sums per 16: one type for every kind, so each kind's
-    _matmul compiles once). Each token's lanes go through the same operations for any n_tok
+    group kernel compiles once). Each token's lanes go through the same operations for any n_tok
     (verification gets decode's bits); the weights are loaded and unpacked once for all n_tok."""
     _, gb, off, _ = LAYOUT[kind]
     pf = None if batch else cpu.KIND.prefetch.get((NAMES[kind], n_tok), cpu.KIND.prefetch.get(n_tok))     # a batch re-reads a group from cache: no prefetch
@@ -564,8 +564,8 @@ _group1, _group4, _groupb = _dispatch((1,) * 5), _dispatch((4,) * 5), _dispatch(
 
 
 _PTR = lambda t: types.CPointer(t)
-# a group kernel's C signature: pk (its data, groups, bytes per group row), g, nb, then xq, xd,
-# isum and y (data and row length; xq also its rows T), nbatch
+# a group kernel's C signature: pk (its data, groups, bytes per group row), its groups [g0, g1),
+# nb, then xq, xd, isum and y (data and row length; xq also its rows T), nbatch
 _GROUP_SIG = types.void(_PTR(types.uint8), types.int64, types.int64, types.int64, types.int64, types.int64,
                         _PTR(types.int8), types.int64, types.int64, _PTR(types.float32), types.int64,
                         _PTR(types.int32), types.int64, _PTR(types.float32), types.int64, types.int64)
@@ -573,7 +573,7 @@ _kernels: dict[int, object] = {}      # kind -> its compiled group kernel (a num
 
 
 def _kernel(kind: int):
-    """The compiled kernel of one kind for one group of 16 rows and all T tokens of xq: the
+    """The compiled kernel of one kind for a run of groups of 16 rows and all T tokens of xq: the
     first nbatch (a multiple of the kind's BATCH_STEP) by the batch kernels, the rest four at
     a time, then one, by decode's. A C function of its own (numba's cfunc, cached), called
     through its address by the one parallel loop (_run): numba links a jit callee's code into
