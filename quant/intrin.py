@@ -373,3 +373,27 @@ def _dotq_row(q4: bool):
 
 
 dotq8_row, dotq4_row = _dotq_row(False), _dotq_row(True)
+
+
+@intrinsic
+def call_c(typingctx, fn, *args):
+    """Call the C function at address fn (a numba cfunc's .address) with args: an array as
+    its data pointer and its length (C-contiguous only: the callee reads it flat), any other
+    value as it is. A kernel's heavy body compiled once as a cfunc and called so from a
+    parallel loop is not linked, optimized and compiled again in the loop's gufunc, its two
+    wrappers and the caller, as a jit callee is (most of a prange kernel's first-run compile)."""
+    if any(isinstance(a, types.Array) and a.layout != "C" for a in args):
+        return None
+
+    def codegen(context, builder, sig, llargs):
+        out = []
+        for ty, a in zip(args, cgutils.unpack_tuple(builder, llargs[1])):
+            if isinstance(ty, types.Array):
+                arr = context.make_array(ty)(context, builder, a)
+                out += [arr.data, arr.nitems]
+            else:
+                out.append(a)
+        fnty = ir.FunctionType(ir.VoidType(), [v.type for v in out])
+        builder.call(builder.inttoptr(llargs[0], fnty.as_pointer()), out)
+        return context.get_dummy_value()
+    return types.none(fn, types.StarArgTuple.from_types(args)), codegen

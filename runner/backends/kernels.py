@@ -6,11 +6,12 @@ import functools
 import math
 from decimal import Decimal
 
+import numba
 import numpy as np
-from numba import get_thread_id, njit, prange
+from numba import get_thread_id, njit, prange, types
 
 from quant.legacy import q4_0_row
-from quant.intrin import (add16, bits_f32, bits_f64, dotq4_row, dotq8_row, f2h, f32_bits, f64_bits, fma16, fma16h, fma32,
+from quant.intrin import (add16, call_c, bits_f32, bits_f64, dotq4_row, dotq8_row, f2h, f32_bits, f64_bits, fma16, fma16h, fma32,
                           fma64, h2f, mul16, mul16h, pv16, pv_tile, scores16)
 
 f32 = np.float32
@@ -450,11 +451,8 @@ def _scores_one(d, kf, k0, stride, qb, P):
 FA_ONE, FA_VEC, FA_TILE = 0, 1, 2
 
 
-# flash_attention's two paths for one work item, compiled as functions of their own and called
-# from its parallel loop: numba's parallel passes copy and rewrite a prange body whole, and
-# with these inlined they took most of the kernel's first-run compilation. d arrives as a
-# literal (flash_attention(head_dim, tile)), so numba prunes the other head sizes' paths;
-# each kernel calls one of the two (compiling both with the kernel cost 2.5 s more).
+# flash_attention's two paths for one work item. d arrives as a literal (_fa_item(d, tile)), so
+# numba prunes the other head sizes' code.
 @njit
 def _fa_tile(d, group, g, kf, vf, kpage, vpage, stride, tab, top, kpos, p1, window, scale, qs, accs, P, Ms, Ss):
     """FA_TILE: each of the group's heads through 64-cell tiles of cells [0, top)."""
@@ -534,13 +532,94 @@ def _fa_vec(d, group, g, kf, vf, kpage, vpage, stride, tab, c0, c1, kpos, p1, wi
                 Ms[e], Ss[e] = M, fma32(Ss[e], ms, vs)
 
 
+_P = types.CPointer
+# the work items' C signature (_fa_items): items [i0, i1) on scratch row th; it, q, qpos, qseq, kf,
+# vf, kpos, tables, part, out, scratch (each its data and length); n_head, n_kv, stride (k's row
+# length), the tables' width, nth, the scratch row's length, window, scale
+_A = lambda t: (_P(t), types.int64)
+_FA_SIG = types.void(types.int64, types.int64, types.int64, *_A(types.int64), *_A(types.float32), *_A(types.int64),
+                     *_A(types.int64), *_A(types.uint16), *_A(types.uint16), *_A(types.int64), *_A(types.int64),
+                     *_A(types.float32), *_A(types.float32), *_A(types.float32), types.int64, types.int64, types.int64,
+                     types.int64, types.int64, types.int64, types.int64, types.float32)
+_fa_compiled: dict[tuple[int, bool], object] = {}     # (head_dim, tile) -> its compiled work items (a cfunc)
+
+
+def _fa_items(head_dim: int, tile: bool):
+    """Work items [i0, i1) of flash_attention(head_dim, tile) (each a query, a kv head and a
+    chunk of cells; it's rows: t, g, c, c0, c1 and the query's row of part or -1), one after
+    the other in scratch row th: a C function of its own (numba's cfunc, cached), called through
+    its address by the parallel loop _fa_run. A jit callee's code would be linked, optimized
+    and compiled again in the loop's gufunc, its two wrappers and the kernel, and numba's
+    parallel passes copy and rewrite a prange body whole: that was most of the first run's
+    attention compile."""
+    if (head_dim, tile) in _fa_compiled:
+        return _fa_compiled[head_dim, tile]
+    d = head_dim
+
+    def items(i0, i1, th, it_, nit, q_, nq, qpos_, nqp, qseq_, nqs, kf_, nk, vf_, nv, kpos_, npos, tables_, ntab,
+              part_, npart, out_, nout, scr_, nscr, n_head, n_kv, stride, width, nth, row, window, scale):
+        it, q, qpos, qseq = numba.carray(it_, (nit // 6, 6)), numba.carray(q_, nq), numba.carray(qpos_, nqp), numba.carray(qseq_, nqs)
+        kf, vf, kpos = numba.carray(kf_, nk), numba.carray(vf_, nv), numba.carray(kpos_, npos)
+        tables, part, out = numba.carray(tables_, ntab), numba.carray(part_, npart), numba.carray(out_, nout)
+        buf = numba.carray(scr_, nscr)[th * row:(th + 1) * row]
+        kpage, vpage = n_kv * d * stride, n_kv * 64 * d
+        group = n_head // n_kv
+        # per query head of the group: q, its value sums, M and S; P: 64 lanes of 16 scores
+        gd = group * d
+        o1 = 2 * gd + 64 * 16
+        qs, accs, P = buf[:gd], buf[gd:2 * gd], buf[2 * gd:o1]
+        Ms, Ss, Pe = buf[o1:o1 + group], buf[o1 + group:o1 + 2 * group], buf[o1 + 2 * group:o1 + 18 * group]
+        for i in range(i0, i1):
+            t, g, c, c0, c1, pr = it[i, 0], it[i, 1], it[i, 2], it[i, 3], it[i, 4], it[i, 5]
+            tab = tables[qseq[t] * width:(qseq[t] + 1) * width]
+            p1 = qpos[t]
+            for e in range(group):
+                h = g * group + e
+                for j in range(d):
+                    x = q[(t * n_head + h) * d + j]
+                    qs[e * d + j] = x if tile else h2f(f2h(x))
+                    accs[e * d + j] = 0
+                Ms[e], Ss[e] = f32(-np.inf), f32(0)     # float32 throughout: exp of a float64 would round differently
+            if tile:
+                _fa_tile(d, group, g, kf, vf, kpage, vpage, stride, tab, c1, kpos, p1, window, scale, qs, accs, P, Ms, Ss)
+            else:
+                _fa_vec(d, group, g, kf, vf, kpage, vpage, stride, tab, c0, c1, kpos, p1, window, scale, qs, accs, P, Ms, Ss, Pe)
+            for e in range(group):
+                h = g * group + e
+                M, S = Ms[e], Ss[e]
+                if pr >= 0:         # a chunk of a split query: its M, S and value sums, merged later
+                    o = ((pr * n_head + h) * nth + c) * (d + 2)
+                    part[o], part[o + 1] = M, S
+                    for j in range(d):
+                        part[o + 2 + j] = accs[e * d + j]
+                else:
+                    inv = f32(0) if S == 0 else f32(1) / S
+                    for j in range(d):
+                        out[(t * n_head + h) * d + j] = accs[e * d + j] * inv
+    _fa_compiled[head_dim, tile] = numba.cfunc(_FA_SIG, cache=True)(items)
+    return _fa_compiled[head_dim, tile]
+
+
+@njit(parallel=PRANGE, cache=True)
+def _fa_run(fn, nth, it, q, qpos, qseq, kf, vf, kpos, tables, part, out, scratch, n_head, n_kv, stride, window, scale):
+    """The work items of it on nth threads, an even run each (as numba's prange splits them),
+    by the compiled items at fn; one parallel loop for every head size and path."""
+    n = it.shape[0]
+    for j in prange(nth):
+        if n * j // nth < n * (j + 1) // nth:
+            call_c(fn, np.int64(n * j // nth), np.int64(n * (j + 1) // nth), np.int64(j), it, q, qpos, qseq, kf, vf,
+                   kpos, tables, part, out, scratch, np.int64(n_head), np.int64(n_kv), np.int64(stride),
+                   np.int64(tables.shape[1]), np.int64(nth), np.int64(scratch.shape[1]), np.int64(window), f32(scale))
+
+
 @functools.cache
 def flash_attention(head_dim: int, tile: bool):
     """Attention in the float steps of llama.cpp's CPU flash-attention kernel, f16 cache, to the
-    bit: the kernel for one head size and either the FA_TILE queries (tile) or the others (both
-    constants inside: numba prunes the other sizes' and path's code, so a first run that
-    meets only short batches compiles one path of one size). Arguments as attention()'s (q
-    (n_tok, n_head, d) float32, not rounded); queries of the other path are left as they are.
+    bit: (kernel, items), the kernel for one head size and either the FA_TILE queries (tile) or
+    the others, and the address of its compiled work items (_fa_items), the kernel's last
+    argument; a first run that meets only short batches compiles one path of one size.
+    Arguments as attention()'s (q (n_tok, n_head, d) float32, not rounded); queries of the
+    other path are left as they are.
     Per query the path llama.cpp takes for it: qmode FA_TILE (a batch
     of >= 64 tokens: q in float32, 64-cell tiles, scores one fma chain over the dims, the tile's
     softmax with ggml's exp summed in float64, values summed in float32 fma chains), FA_VEC (a
@@ -556,13 +635,10 @@ def flash_attention(head_dim: int, tile: bool):
     llama.cpp skip them. Work items: a query, a kv head and
     a chunk of cells; the group's query heads go through each block of 16 cells together
     (FA_TILE: one head after the other)."""
-    def flash_attention_kernel(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window, scale, out, scratch, nth):
+    def flash_attention_kernel(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window, scale, out, scratch, nth, fn):
         d = head_dim
         n_tok, n_head = q.shape[0], q.shape[1]
         n_kv, stride = k.shape[1], k.shape[3]
-        kpage, vpage = n_kv * d * stride, n_kv * 64 * d
-        group = n_head // n_kv
-        kf, vf = k.ravel(), v.ravel()
         nek = np.empty(n_tok, np.int64)     # cells in llama.cpp's view
         nch = np.ones(n_tok, np.int64)      # chunks they are split into
         top = np.zeros(n_tok, np.int64)     # one past the last cell the query sees
@@ -586,49 +662,20 @@ def flash_attention(head_dim: int, tile: bool):
                 n_split += 1
             n_items += n_kv * nch[t]
         part = np.zeros((max(n_split, 1), n_head, nth, d + 2), np.float32)   # per chunk: M, S, values
-        it = np.empty((n_items, 3), np.int64)
+        it = np.empty((n_items, 6), np.int64)
         i = 0
         for t in range(n_tok):
             if (qmode[t] == FA_TILE) != tile:
                 continue
+            size = -(-nek[t] // nch[t])
             for g in range(n_kv):
                 for c in range(nch[t]):
                     it[i, 0], it[i, 1], it[i, 2] = t, g, c
+                    it[i, 3], it[i, 4] = c * size, top[t] if tile else min((c + 1) * size, nek[t], top[t])
+                    it[i, 5] = pidx[t]
                     i += 1
-        for i in prange(n_items):
-            t, g, c = it[i, 0], it[i, 1], it[i, 2]
-            buf = scratch[get_thread_id()]
-            tab = tables[qseq[t]]
-            size = -(-nek[t] // nch[t])
-            c0, c1 = c * size, min((c + 1) * size, nek[t], top[t])
-            # per query head of the group: q, its value sums, M and S; P: 64 lanes of 16 scores
-            gd = group * d
-            o1 = 2 * gd + 64 * 16
-            qs, accs, P = buf[:gd], buf[gd:2 * gd], buf[2 * gd:o1]
-            Ms, Ss, Pe = buf[o1:o1 + group], buf[o1 + group:o1 + 2 * group], buf[o1 + 2 * group:o1 + 18 * group]
-            p1 = qpos[t]
-            for e in range(group):
-                h = g * group + e
-                for j in range(d):
-                    qs[e * d + j] = q[t, h, j] if tile else h2f(f2h(q[t, h, j]))
-                    accs[e * d + j] = 0
-                Ms[e], Ss[e] = f32(-np.inf), f32(0)     # float32 throughout: exp of a float64 would round differently
-            if tile:
-                _fa_tile(d, group, g, kf, vf, kpage, vpage, stride, tab, top[t], kpos, p1, window, scale, qs, accs, P, Ms, Ss)
-            else:
-                _fa_vec(d, group, g, kf, vf, kpage, vpage, stride, tab, c0, c1, kpos, p1, window, scale, qs, accs, P, Ms, Ss, Pe)
-            for e in range(group):
-                h = g * group + e
-                acc, M, S = accs[e * d:(e + 1) * d], Ms[e], Ss[e]
-                if pidx[t] >= 0:
-                    pr = part[pidx[t], h, c]
-                    pr[0], pr[1] = M, S
-                    for j in range(d):
-                        pr[2 + j] = acc[j]
-                else:
-                    inv = f32(0) if S == 0 else f32(1) / S
-                    for j in range(d):
-                        out[t, h, j] = acc[j] * inv
+        _fa_run(fn, nth, it, q, qpos, qseq, k.ravel(), v.ravel(), kpos, tables, part, out, scratch, n_head, n_kv, stride,
+                window, scale)
         for t in range(n_tok):          # merge the chunks of split queries, in order
             if pidx[t] < 0:
                 continue
@@ -648,7 +695,7 @@ def flash_attention(head_dim: int, tile: bool):
                 inv = f32(1) / S if S != 0 else f32(1)
                 for j in range(d):
                     out[t, h, j] = acc[j] * inv
-    return njit(parallel=PRANGE, cache=True)(flash_attention_kernel)
+    return njit(cache=True)(flash_attention_kernel), _fa_items(head_dim, tile).address
 
 
 # cache element types inside the kernels
