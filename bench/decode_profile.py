@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import runner.env  # noqa: E402, F401  (thread-pool defaults, before numpy loads OpenBLAS)
 
 CATEGORIES = (      # first match wins: (category, substrings of "file:function")
-    ("matvec", ("quant/legacy.py:_mv", "quant/kquants.py:matvec_", "quant/packed.py:_matmul", "quant/floats.py:", "quant/act.py:quantize",
+    ("matvec", ("quant/legacy.py:_mv", "quant/kquants.py:matvec_", "quant/packed.py:_run", "quant/packed.py:_matmul", "quant/floats.py:", "quant/act.py:quantize",
                 "quant/kquants.py:quantize_x", "quant/kquants.py:quantize_rows", "quant/legacy.py:_quantize")),
-    ("attention", ("kernels.py:flash_attention", "kernels.py:attention")),
+    ("attention", ("kernels.py:flash_attention", "kernels.py:attention", "kernels.py:_fa_run")),
     ("norms/rope/act", ("kernels.py:rms_norm", "kernels.py:rope", "kernels.py:silu", "kernels.py:gelu",
                         "dequant_rows")),
     ("sampling", ("sampler.py:",)),

@@ -54,6 +54,7 @@ from numba.extending import intrinsic
 from quant.act import quantize_q8_0
 from quant.kquants import ROWS, _byte, _k4_scales, quantize_x
 from quant.gemm8 import I8, I32, F32, V64B, V16I, V16F, _ptr, _splat
+from quant.intrin import call_c
 from quant import cpu
 
 I1 = ir.IntType(1)
@@ -564,11 +565,12 @@ _group1, _group4, _groupb = _dispatch((1,) * 5), _dispatch((4,) * 5), _dispatch(
 
 
 _PTR = lambda t: types.CPointer(t)
-# a group kernel's C signature: pk (its data, groups, bytes per group row), its groups [g0, g1),
-# nb, then xq, xd, isum and y (data and row length; xq also its rows T), nbatch
-_GROUP_SIG = types.void(_PTR(types.uint8), types.int64, types.int64, types.int64, types.int64, types.int64,
-                        _PTR(types.int8), types.int64, types.int64, _PTR(types.float32), types.int64,
-                        _PTR(types.int32), types.int64, _PTR(types.float32), types.int64, types.int64)
+# a group kernel's C signature (called through quant.intrin.call_c, an array as its data and
+# length): pk, its bytes per group row, the groups [g0, g1), nb, xq and its rows T, xd, isum, y,
+# nbatch
+_A = lambda t: (_PTR(t), types.int64)
+_GROUP_SIG = types.void(*_A(types.uint8), types.int64, types.int64, types.int64, types.int64, *_A(types.int8),
+                        types.int64, *_A(types.float32), *_A(types.int32), *_A(types.float32), types.int64)
 _kernels: dict[int, object] = {}      # kind -> its compiled group kernel (a numba cfunc)
 
 
@@ -576,18 +578,19 @@ def _kernel(kind: int):
     """The compiled kernel of one kind for a run of groups of 16 rows and all T tokens of xq: the
     first nbatch (a multiple of the kind's BATCH_STEP) by the batch kernels, the rest four at
     a time, then one, by decode's. A C function of its own (numba's cfunc, cached), called
-    through its address by the one parallel loop (_run): numba links a jit callee's code into
-    every caller and optimizes and compiles it again there (a prange body four times over:
-    gufunc, two wrappers, the caller), which was most of a kind's first-run compile. Not
+    through its address (quant.intrin.call_c) by the one parallel loop (_run): numba links a
+    jit callee's code into every caller and optimizes and compiles it again there (a prange
+    body four times over: gufunc, two wrappers, the caller), which was most of a kind's
+    first-run compile. Not
     fastmath: LLVM would then be free to fuse or reorder the float steps differently in the
     1- and 4-token kernels, and a token checked in a group must get the bits it gets alone."""
     if kind not in _kernels:
         step = LSTEP if kind <= Q8_0 else 4
 
-        def group(pk_, n_groups, row_bytes, g0, g1, nb, xq_, T, nx, xd_, nd, is_, ns, y_, ny, nbatch):
-            pk = numba.carray(pk_, (n_groups, row_bytes))
-            xq, xd = numba.carray(xq_, (T, nx)), numba.carray(xd_, (T, nd))
-            isum, y = numba.carray(is_, (T, ns)), numba.carray(y_, (T, ny))
+        def group(pk_, npk, row_bytes, g0, g1, nb, xq_, nxq, T, xd_, nxd, is_, nis, y_, ny, nbatch):
+            pk = numba.carray(pk_, (npk // row_bytes, row_bytes))
+            xq, xd = numba.carray(xq_, (T, nxq // T)), numba.carray(xd_, (T, nxd // T))
+            isum, y = numba.carray(is_, (T, nis // T)), numba.carray(y_, (T, ny // T))
             T4 = T // 4 * 4
             for g in range(g0, g1):
                 for t0 in range(0, nbatch, step):
@@ -600,30 +603,6 @@ def _kernel(kind: int):
     return _kernels[kind]
 
 
-@intrinsic
-def _call_group(typingctx, fn, pk, g0, g1, nb, xq, xd, isum, y, nbatch):
-    """Call the group kernel at address fn (_kernel) on C-contiguous arrays (the kernels
-    read them through flat offsets: any other layout does not compile)."""
-    if any(a.layout != "C" for a in (pk, xq, xd, isum, y)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p8 = ir.IntType(8).as_pointer()
-        out = []
-        for k, (ty, a) in enumerate(zip(sig.args[1:], args[1:])):
-            if isinstance(ty, types.Array):
-                arr = context.make_array(ty)(context, builder, a)
-                shape = cgutils.unpack_tuple(builder, arr.shape, 2)
-                out.append(builder.bitcast(arr.data, p8))
-                out += ([shape[0], shape[1]] if k in (0, 4) else [shape[1]])  # pk and xq: both dims
-            else:
-                out.append(a)
-        fnty = ir.FunctionType(ir.VoidType(), [v.type for v in out])
-        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), out)
-        return context.get_dummy_value()
-    return types.none(fn, pk, g0, g1, nb, xq, xd, isum, y, nbatch), codegen
-
-
 @njit(parallel=True, cache=True)
 def _run(fn, n, pk, nb, xq, xd, isum, y, nbatch):
     """y (T, rows) for the T tokens of xq: the group kernel at fn on n even runs of groups, one
@@ -631,7 +610,8 @@ def _run(fn, n, pk, nb, xq, xd, isum, y, nbatch):
     G = pk.shape[0]
     for i in prange(n):
         if G * i // n < G * (i + 1) // n:
-            _call_group(fn, pk, G * i // n, G * (i + 1) // n, nb, xq, xd, isum, y, nbatch)
+            call_c(fn, pk, np.int64(pk.shape[1]), np.int64(G * i // n), np.int64(G * (i + 1) // n), np.int64(nb), xq,
+                   np.int64(xq.shape[0]), xd, isum, y, np.int64(nbatch))
 
 
 def _matmul(kind: int):
