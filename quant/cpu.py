@@ -41,7 +41,9 @@ class Kind:
     batch_step: int = 8                 # tokens per packed batch call, Q4_0/Q5_0/Q8_0 (Q4_K and
                                         # Q6_K: 4, llama.cpp's gemm takes them four at a time)
     prefetch: dict = field(default_factory=dict)    # packed decode: bytes ahead, by tokens a call
-                                        # ((type name, tokens) first, then tokens)
+                                        # ((type name, tokens) first, then tokens); (bytes, level):
+                                        # LLVM's locality, 3 (into L1, the default) to 0
+    cpus: tuple[str, ...] = ()          # LLVM CPU names the row is for (empty: any with the needs)
 
 
 AVX512_VNNI = dict(vnni=True, repack=REPACKABLE, gemm8=LEGACY | K_QUANTS, batch_step=8,
@@ -56,20 +58,25 @@ KINDS = (
     # Intel Xeon (Sapphire Rapids and later): AMX tiles are there, no AMX kernel yet (issue 19)
     Kind("avx512-amx", ("avx512f", "avx512bw", "avx512vnni", "amx-int8", "amx-tile"),
          "Intel Xeon with AMX, 2 cores (2026-12-01)", **AVX512_VNNI),
+    # Zen 4: Q6_K's one-token kernel waited on memory with its prefetches into L1 (7-13 GB/s
+    # on 2 threads against Q4_K's 34); into L2 (locality 2 or 1) 19-25 GB/s (session 26)
+    Kind("avx512-vnni-zen4", ("avx512f", "avx512bw", "avx512vnni"), "AMD EPYC Zen 4 (znver4, 2026-12-04), 2 cores",
+         cpus=("znver4",), **{**AVX512_VNNI, "prefetch": {1: 2048, 4: 8192, ("Q6_K", 1): (8192, 2)}}),
     Kind("avx512-vnni", ("avx512f", "avx512bw", "avx512vnni"),
-         "AMD EPYC Zen 4 (LLVM: znver4, 2026-11-30) and Zen 5 (znver5, 2026-12-02), 2 cores", **AVX512_VNNI),
+         "AMD EPYC Zen 5 (LLVM: znver5, 2026-12-02; Zen 4 too until 2026-12-04), 2 cores", **AVX512_VNNI),
     # AVX2, ARM, anything else: the portable numba kernels (LLVM vectorizes them for the host)
     Kind("portable", (), "not measured against llama.cpp"),
 )
 
 
-def pick(features: dict) -> Kind:
-    """The first kind whose features the CPU has (features: name -> bool, as LLVM reports)."""
-    return next(k for k in KINDS if all(features.get(f, False) for f in k.needs))
+def pick(features: dict, name: str = "") -> Kind:
+    """The first kind whose features the CPU has (features: name -> bool, as LLVM reports) and,
+    where the row names CPUs, whose LLVM CPU name is one of them."""
+    return next(k for k in KINDS if all(features.get(f, False) for f in k.needs) and (not k.cpus or name in k.cpus))
 
 
-KIND = pick(llvm.get_host_cpu_features())
 CPU_NAME = llvm.get_host_cpu_name()     # LLVM's name for the host (znver5, sapphirerapids, ...)
+KIND = pick(llvm.get_host_cpu_features(), CPU_NAME)
 
 
 def repacking() -> bool:

@@ -283,6 +283,7 @@ def _rows16(kind, n_tok, batch=False):
     (verification gets decode's bits); the weights are loaded and unpacked once for all n_tok."""
     _, gb, off, _ = LAYOUT[kind]
     pf = None if batch else cpu.KIND.prefetch.get((NAMES[kind], n_tok), cpu.KIND.prefetch.get(n_tok))     # a batch re-reads a group from cache: no prefetch
+    pf, level = pf if isinstance(pf, tuple) else (pf, 3)
 
     @intrinsic
     def rows16(typingctx, pk, g, nb, xq, xd, isum, y, t0):
@@ -427,8 +428,8 @@ def _rows16(kind, n_tok, batch=False):
             with cgutils.for_range(builder, anb) as loop:
                 b = loop.index
                 o = builder.add(gbase, builder.mul(b, c(gb)))
-                for line in range(0, gb if pf else 0, 64):      # read, keep in all caches, data
-                    builder.call(prefetch, [builder.gep(base, [builder.add(o, c(pf + line))]), *(ir.Constant(I32, v) for v in (0, 3, 1))])
+                for line in range(0, gb if pf else 0, 64):      # read, into the row's cache level, data
+                    builder.call(prefetch, [builder.gep(base, [builder.add(o, c(pf + line))]), *(ir.Constant(I32, v) for v in (0, level, 1))])
                 if kind == Q6_K and batch:
                     # llama.cpp's tiled batch kernel: the block's whole integer sum
                     # I = sum_j sc_j (q - 32) . x_j, then y = fma((I * d_w), d_x, y)

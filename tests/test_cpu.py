@@ -16,6 +16,9 @@ AVX2 = {"avx2": True, "fma": True, "avx512f": False}
 def test_each_cpu_gets_its_row():
     assert cpu.pick(XEON).name == "avx512-amx"
     assert cpu.pick(AMD).name == "avx512-vnni"
+    assert cpu.pick(AMD, "znver5").name == "avx512-vnni"
+    assert cpu.pick(AMD, "znver4").name == "avx512-vnni-zen4"
+    assert cpu.pick(XEON, "znver4").name == "avx512-amx"
     assert cpu.pick(AVX2).name == "portable"
     assert cpu.pick({}).name == "portable"
     assert not cpu.pick(AVX2).repack and not cpu.pick(AVX2).gemm8 and not cpu.pick(AVX2).vnni
