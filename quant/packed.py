@@ -582,9 +582,9 @@ def _kernel(kind: int):
     through its address (quant.intrin.call_c) by the one parallel loop (_run): numba links a
     jit callee's code into every caller and optimizes and compiles it again there (a prange
     body four times over: gufunc, two wrappers, the caller), which was most of a kind's
-    first-run compile. Not
-    fastmath: LLVM would then be free to fuse or reorder the float steps differently in the
-    1- and 4-token kernels, and a token checked in a group must get the bits it gets alone."""
+    first-run compile. Not fastmath: LLVM would then be free to fuse or reorder the float
+    steps differently in the 1- and 4-token kernels, and a token checked in a group must get
+    the bits it gets alone."""
     if kind not in _kernels:
         step = LSTEP if kind <= Q8_0 else 4
 

@@ -451,7 +451,7 @@ def _scores_one(d, kf, k0, stride, qb, P):
 FA_ONE, FA_VEC, FA_TILE = 0, 1, 2
 
 
-# flash_attention's two paths for one work item. d arrives as a literal (_fa_item(d, tile)), so
+# flash_attention's two paths for one work item. d arrives as a literal (_fa_items(d, tile)), so
 # numba prunes the other head sizes' code.
 @njit
 def _fa_tile(d, group, g, kf, vf, kpage, vpage, stride, tab, top, kpos, p1, window, scale, qs, accs, P, Ms, Ss):
@@ -546,7 +546,7 @@ _fa_compiled: dict[tuple[int, bool], object] = {}     # (head_dim, tile) -> its 
 
 def _fa_items(head_dim: int, tile: bool):
     """Work items [i0, i1) of flash_attention(head_dim, tile) (each a query, a kv head and a
-    chunk of cells; it's rows: t, g, c, c0, c1 and the query's row of part or -1), one after
+    chunk of cells; the rows of it: t, g, c, c0, c1 and the query's row of part or -1), one after
     the other in scratch row th: a C function of its own (numba's cfunc, cached), called through
     its address by the parallel loop _fa_run. A jit callee's code would be linked, optimized
     and compiled again in the loop's gufunc, its two wrappers and the kernel, and numba's
