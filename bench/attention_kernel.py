@@ -40,7 +40,7 @@ def run(shape, cells, types, runs, layers=24):
     out = np.zeros_like(q); qpos = np.array([cells - 1], np.int64); qseq = np.zeros(1, np.int64)
     sc = np.float32(d ** -0.5)
     if types == ("f16", "f16"):
-        kern, item = K.flash_attention(q.shape[2], False)
+        kern, item = K.flash_attention(q.shape[2], False), K.fa_items(q.shape[2], False).address
         f = lambda: kern(q, qpos, qseq, np.array([K.FA_ONE], np.int64), k, v, kpos, tables, ss, 0, sc, out, scratch, numba.get_num_threads(), item)
     else:
         codes = {"f16": K.KV_F16, "q8_0": K.KV_Q8_0, "q4_0": K.KV_Q4_0}

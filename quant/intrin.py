@@ -375,6 +375,12 @@ def _dotq_row(q4: bool):
 dotq8_row, dotq4_row = _dotq_row(False), _dotq_row(True)
 
 
+def c_array(t):
+    """An array of element type t in the C signature of a function called through call_c: its
+    data pointer and its length."""
+    return types.CPointer(t), types.int64
+
+
 @intrinsic
 def call_c(typingctx, fn, *args):
     """Call the C function at address fn (a numba cfunc's .address) with args: an array as

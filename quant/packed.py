@@ -54,7 +54,7 @@ from numba.extending import intrinsic
 from quant.act import quantize_q8_0
 from quant.kquants import ROWS, _byte, _k4_scales, quantize_x
 from quant.gemm8 import I8, I32, F32, V64B, V16I, V16F, _ptr, _splat
-from quant.intrin import call_c
+from quant.intrin import c_array, call_c
 from quant import cpu
 
 I1 = ir.IntType(1)
@@ -565,13 +565,12 @@ BATCH_STEP = (LSTEP, LSTEP, LSTEP, 4, 4)    # by kind (Q4_K, Q6_K: llama.cpp's f
 _group1, _group4, _groupb = _dispatch((1,) * 5), _dispatch((4,) * 5), _dispatch(BATCH_STEP, True)
 
 
-_PTR = lambda t: types.CPointer(t)
 # a group kernel's C signature (called through quant.intrin.call_c, an array as its data and
 # length): pk, its bytes per group row, the groups [g0, g1), nb, xq and its rows T, xd, isum, y,
 # nbatch
-_A = lambda t: (_PTR(t), types.int64)
-_GROUP_SIG = types.void(*_A(types.uint8), types.int64, types.int64, types.int64, types.int64, *_A(types.int8),
-                        types.int64, *_A(types.float32), *_A(types.int32), *_A(types.float32), types.int64)
+_GROUP_SIG = types.void(*c_array(types.uint8), types.int64, types.int64, types.int64, types.int64,
+                        *c_array(types.int8), types.int64, *c_array(types.float32), *c_array(types.int32),
+                        *c_array(types.float32), types.int64)
 _kernels: dict[int, object] = {}      # kind -> its compiled group kernel (a numba cfunc)
 
 

@@ -19,7 +19,7 @@ from runner.backends import kernels as K
 from runner.backends import numba_cpu
 
 AHEAD = [quant.packed._run, quant.packed._quantize_0, quant.packed._quantize_k, K.rms_norm, K.silu_mul,
-         K.silu_mul_halves, K._gelu_mul, K.rope_store, K.flash_attention(64, False)[0], K.flash_attention(64, True)[0], K._fa_run, K.attention, K.flash_attention_q, K.store_kv, K.fwht]
+         K.silu_mul_halves, K._gelu_mul, K.rope_store, K.flash_attention(64, False), K.flash_attention(64, True), K._fa_run, K.attention, K.flash_attention_q, K.store_kv, K.fwht]
 
 
 EMBED = {T.Q8_0: quant.legacy._dq_q8_0, T.Q4_K: quant.kquants.dequant_rows_q4_K, T.Q6_K: quant.kquants.dequant_rows_q6_K}
@@ -68,7 +68,7 @@ def test_ahead_of_time_signatures_are_the_forwards(tmp_path, arch, weights, flas
         job()
     ahead = signatures()
     assert ahead[EMBED[weights]], "the helper did not compile the embedding's row lookup"
-    attention = {(True, True): K.flash_attention(64, False)[0], (True, False): K.flash_attention_q, (False, True): K.attention}
+    attention = {(True, True): K.flash_attention(64, False), (True, False): K.flash_attention_q, (False, True): K.attention}
     assert ahead[attention[flash, types == ("f16", "f16")]], "the helper compiled no attention kernel"
     if quant.packed.enabled():
         assert be.packed_kinds() == {quant.packed.KINDS[weights]}

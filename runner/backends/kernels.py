@@ -11,7 +11,7 @@ import numpy as np
 from numba import get_thread_id, njit, prange, types
 
 from quant.legacy import q4_0_row
-from quant.intrin import (add16, call_c, bits_f32, bits_f64, dotq4_row, dotq8_row, f2h, f32_bits, f64_bits, fma16, fma16h, fma32,
+from quant.intrin import (add16, c_array, call_c, bits_f32, bits_f64, dotq4_row, dotq8_row, f2h, f32_bits, f64_bits, fma16, fma16h, fma32,
                           fma64, h2f, mul16, mul16h, pv16, pv_tile, scores16)
 
 f32 = np.float32
@@ -451,7 +451,7 @@ def _scores_one(d, kf, k0, stride, qb, P):
 FA_ONE, FA_VEC, FA_TILE = 0, 1, 2
 
 
-# flash_attention's two paths for one work item. d arrives as a literal (_fa_items(d, tile)), so
+# flash_attention's two paths for one work item. d arrives as a literal (fa_items(d, tile)), so
 # numba prunes the other head sizes' code.
 @njit
 def _fa_tile(d, group, g, kf, vf, kpage, vpage, stride, tab, top, kpos, p1, window, scale, qs, accs, P, Ms, Ss):
@@ -532,11 +532,10 @@ def _fa_vec(d, group, g, kf, vf, kpage, vpage, stride, tab, c0, c1, kpos, p1, wi
                 Ms[e], Ss[e] = M, fma32(Ss[e], ms, vs)
 
 
-_P = types.CPointer
-# the work items' C signature (_fa_items): items [i0, i1) on scratch row th; it, q, qpos, qseq, kf,
+# the work items' C signature (fa_items): items [i0, i1) on scratch row th; it, q, qpos, qseq, kf,
 # vf, kpos, tables, part, out, scratch (each its data and length); n_head, n_kv, stride (k's row
 # length), the tables' width, nth, the scratch row's length, window, scale
-_A = lambda t: (_P(t), types.int64)
+_A = c_array
 _FA_SIG = types.void(types.int64, types.int64, types.int64, *_A(types.int64), *_A(types.float32), *_A(types.int64),
                      *_A(types.int64), *_A(types.uint16), *_A(types.uint16), *_A(types.int64), *_A(types.int64),
                      *_A(types.float32), *_A(types.float32), *_A(types.float32), types.int64, types.int64, types.int64,
@@ -544,7 +543,7 @@ _FA_SIG = types.void(types.int64, types.int64, types.int64, *_A(types.int64), *_
 _fa_compiled: dict[tuple[int, bool], object] = {}     # (head_dim, tile) -> its compiled work items (a cfunc)
 
 
-def _fa_items(head_dim: int, tile: bool):
+def fa_items(head_dim: int, tile: bool):
     """Work items [i0, i1) of flash_attention(head_dim, tile) (each a query, a kv head and a
     chunk of cells; the rows of it: t, g, c, c0, c1 and the query's row of part or -1), one after
     the other in scratch row th: a C function of its own (numba's cfunc, cached), called through
@@ -615,9 +614,9 @@ def _fa_run(fn, nth, it, q, qpos, qseq, kf, vf, kpos, tables, part, out, scratch
 @functools.cache
 def flash_attention(head_dim: int, tile: bool):
     """Attention in the float steps of llama.cpp's CPU flash-attention kernel, f16 cache, to the
-    bit: (kernel, items), the kernel for one head size and either the FA_TILE queries (tile) or
-    the others, and the address of its compiled work items (_fa_items), the kernel's last
-    argument; a first run that meets only short batches compiles one path of one size.
+    bit: the kernel for one head size and either the FA_TILE queries (tile) or the others,
+    whose last argument is the address of the compiled work items, fa_items(head_dim,
+    tile).address; a first run that meets only short batches compiles one path of one size.
     Arguments as attention()'s (q (n_tok, n_head, d) float32, not rounded); queries of the
     other path are left as they are.
     Per query the path llama.cpp takes for it: qmode FA_TILE (a batch
@@ -695,7 +694,7 @@ def flash_attention(head_dim: int, tile: bool):
                 inv = f32(1) / S if S != 0 else f32(1)
                 for j in range(d):
                     out[t, h, j] = acc[j] * inv
-    return njit(cache=True)(flash_attention_kernel), _fa_items(head_dim, tile).address
+    return njit(cache=True)(flash_attention_kernel)
 
 
 # cache element types inside the kernels

@@ -334,9 +334,9 @@ class NumbaCPU:
         elif plain:
             for tile in (False, True):      # each path's kernel over its queries (most batches: one)
                 if st.paths[tile]:
-                    kernel, item = K.flash_attention(c.head_dim, tile)
-                    kernel(q3, b.positions, b.seq, st.qmode, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
-                           kq_scale, a3, self.scratch, numba.get_num_threads(), item)
+                    K.flash_attention(c.head_dim, tile)(q3, b.positions, b.seq, st.qmode, lk.k, lk.v, lk.pos, lk.tables,
+                                                        lk.seq_slots, L.window, kq_scale, a3, self.scratch,
+                                                        numba.get_num_threads(), K.fa_items(c.head_dim, tile).address)
         else:
             K.flash_attention_q(q3, b.positions, b.seq, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
                                 kq_scale, a3, self.scratch, *self._kv_codes)
