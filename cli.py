@@ -50,7 +50,8 @@ def _kernel_cache_dir() -> Path:
     return path
 
 
-os.environ.setdefault("NUMBA_CACHE_DIR", str(_kernel_cache_dir()))
+if not os.environ.get("NUMBA_CACHE_DIR"):     # empty counts as unset, as numba reads it
+    os.environ["NUMBA_CACHE_DIR"] = str(_kernel_cache_dir())
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="numbat: run GGUF language models locally (llama.cpp's answers, ollama's verbs).")
