@@ -382,6 +382,19 @@ def c_array(t):
 
 
 @intrinsic
+def fetch_add(typingctx, counter, value):
+    """counter[0] += value as one atomic step, returning the value before: how the threads of
+    a parallel loop take work in turn."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", arr.data, args[1], "monotonic")
+    return types.int64(counter, types.int64), codegen
+
+
+@intrinsic
 def call_c(typingctx, fn, *args):
     """Call the C function at address fn (a numba cfunc's .address) with args: an array as
     its data pointer and its length (C-contiguous only: the callee reads it flat), any other

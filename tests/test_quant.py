@@ -255,6 +255,30 @@ def test_packed_sums_in_llamas_order(type_id):
 
 
 @pytest.mark.skipif(not packed.enabled(), reason="repacking needs AVX512-VNNI (and NUMBAT_REPACK unset)")
+@pytest.mark.parametrize("type_id", [T.Q8_0, T.Q4_K], ids=lambda t: T(t).name)
+def test_packed_rows_do_not_depend_on_how_threads_share_them(type_id):
+    """The threads take runs of groups in turn (quant.packed._run): every row is written
+    once, with the bits its group of 16 rows gets alone, on one thread or two."""
+    import numba
+    rng = np.random.default_rng(3)
+    groups = 65                 # runs of 16 (one thread) or 8 (two), the last one short
+    p = packed.pack(type_id, random_blocks(type_id, 16 * groups, 2, rng))
+    X = rng.standard_normal((1, p.cols)).astype(np.float32)
+    alone = np.empty((1, p.rows), np.float32)
+    for g in range(groups):
+        packed.matmul_rows(packed.Packed(type_id, p.data[g:g + 1], 16, p.cols), X, alone[:, 16 * g:16 * g + 16])
+    before = numba.get_num_threads()
+    try:
+        for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            numba.set_num_threads(threads)
+            Y = np.full((1, p.rows), np.nan, np.float32)
+            packed.matmul_rows(p, X, Y, batch=False)
+            np.testing.assert_array_equal(Y, alone)
+    finally:
+        numba.set_num_threads(before)
+
+
+@pytest.mark.skipif(not packed.enabled(), reason="repacking needs AVX512-VNNI (and NUMBAT_REPACK unset)")
 def test_packed_q6_K_extreme_dots_in_llamas_order():
     """The decode kernel multiplies each four-value dot by its scale as int16 words: at the
     bounds (q = 63, scales -128 and 127, activations quantized to -128 and 127) the lanes
