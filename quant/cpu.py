@@ -59,9 +59,12 @@ KINDS = (
     Kind("avx512-amx", ("avx512f", "avx512bw", "avx512vnni", "amx-int8", "amx-tile"),
          "Intel Xeon with AMX, 2 cores (2026-12-01)", **AVX512_VNNI),
     # Zen 4: Q6_K's one-token kernel waited on memory with its prefetches into L1 (7-13 GB/s
-    # on 2 threads against Q4_K's 34); into L2 (locality 2 or 1) 19-25 GB/s (session 26)
+    # on 2 threads against Q4_K's 34); into L2 (locality 2 or 1) 19-25 GB/s (session 26); the
+    # other kinds' one token into L2 too: the 1.5b's matrices in a token's order 39.1 -> 35.6
+    # ms (medians of 7 alternating runs; 8 KB ahead or 4 KB into L1 no better), the 0.5b's at
+    # the memory's rate either way (session 27)
     Kind("avx512-vnni-zen4", ("avx512f", "avx512bw", "avx512vnni"), "AMD EPYC Zen 4 (znver4, 2026-12-04), 2 cores",
-         cpus=("znver4",), **{**AVX512_VNNI, "prefetch": {1: 2048, 4: 8192, ("Q6_K", 1): (8192, 2)}}),
+         cpus=("znver4",), **{**AVX512_VNNI, "prefetch": {1: (2048, 2), 4: 8192, ("Q6_K", 1): (8192, 2)}}),
     Kind("avx512-vnni", ("avx512f", "avx512bw", "avx512vnni"),
          "AMD EPYC Zen 5 (LLVM: znver5, 2026-12-02; Zen 4 too until 2026-12-04), 2 cores", **AVX512_VNNI),
     # AVX2, ARM, anything else: the portable numba kernels (LLVM vectorizes them for the host)
