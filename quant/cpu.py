@@ -62,9 +62,10 @@ KINDS = (
     # on 2 threads against Q4_K's 34); into L2 (locality 2 or 1) 19-25 GB/s (session 26); the
     # other kinds' one token into L2 too: the 1.5b's matrices in a token's order 39.1 -> 35.6
     # ms (medians of 7 alternating runs; 8 KB ahead or 4 KB into L1 no better), the 0.5b's at
-    # the memory's rate either way (session 27)
+    # the memory's rate either way; four tokens (speculative checks) 4 KB ahead into L2:
+    # 95.7 -> 60.8 ms (8 KB into L2: 71.6; medians of 5 alternating runs) (session 27)
     Kind("avx512-vnni-zen4", ("avx512f", "avx512bw", "avx512vnni"), "AMD EPYC Zen 4 (znver4, 2026-12-04), 2 cores",
-         cpus=("znver4",), **{**AVX512_VNNI, "prefetch": {1: (2048, 2), 4: 8192, ("Q6_K", 1): (8192, 2)}}),
+         cpus=("znver4",), **{**AVX512_VNNI, "prefetch": {1: (2048, 2), 4: (4096, 2), ("Q6_K", 1): (8192, 2)}}),
     Kind("avx512-vnni", ("avx512f", "avx512bw", "avx512vnni"),
          "AMD EPYC Zen 5 (LLVM: znver5, 2026-12-02; Zen 4 too until 2026-12-04), 2 cores", **AVX512_VNNI),
     # AVX2, ARM, anything else: the portable numba kernels (LLVM vectorizes them for the host)
