@@ -1,0 +1,121 @@
+"""A decode step taken apart without cProfile's per-call cost (bench/decode_profile.py's):
+
+    python bench/step_split.py [MODEL] [-n 64] [--tokens T]
+
+1. Ops: n greedy decode steps with each backend op (graph.run's) timed, and within it the
+   compiled kernels it calls (the packed matmul's parallel loop and runner.backends.kernels'
+   functions): what is left of an op is its Python (wrappers, slicing, the activation
+   quantizers' calls). "outside ops": graph.forward's bookkeeping, the loop over layers and
+   the sampler.
+2. Matrices: the model's weights in a forward's order (fused as the forward fuses them), T
+   tokens with one token's float steps (decode T=1, a speculative check T=4), nothing else
+   between the calls: ms and GB/s by role and type, median of 6 passes (compare with
+   bench/kernels.py's read bandwidth).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import runner.env  # noqa: E402,F401  thread-pool settings before numpy
+
+import numpy as np  # noqa: E402
+
+OPS = ("begin", "embed", "norm", "qkv", "head_norm", "attend", "linear", "rows", "add", "ffn", "head_out")
+
+
+def ops(m, n: int) -> None:
+    from quant import packed as P
+    from runner.backends import kernels as K
+    from runner.sampler import Sampler, SamplerConfig
+    be, inside = m.backend, [0.0]
+    spent, kern, calls = collections.Counter(), collections.Counter(), collections.Counter()
+
+    def timed(f, op=None):
+        def g(*a, **k):
+            k0, t0 = inside[0], time.perf_counter()
+            r = f(*a, **k)
+            dt = time.perf_counter() - t0
+            if op is None:
+                inside[0] += dt
+            else:
+                spent[op] += dt
+                kern[op] += inside[0] - k0
+                calls[op] += 1
+            return r
+        return g
+
+    P._run = timed(P._run)
+    for name in dir(K):
+        f = getattr(K, name)
+        if hasattr(f, "py_func") and name != "flash_attention":
+            setattr(K, name, timed(f))
+    fa = K.flash_attention
+    K.flash_attention = lambda *a: timed(fa(*a))
+    for op in OPS:
+        setattr(be, op, timed(getattr(be, op), op))
+    cache, sampler = be.make_cache(512), Sampler(SamplerConfig(temp=0))
+    logits = be.forward(m.tokenizer.encode("def quicksort(xs):"), cache)[-1]
+    for _ in range(4):
+        logits = be.forward([sampler.next(logits)], cache)[-1]
+    spent.clear(), kern.clear(), calls.clear()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        logits = be.forward([sampler.next(logits)], cache)[-1]
+    step = (time.perf_counter() - t0) / n
+    print(f"decode step {step * 1e3:.2f} ms ({n} steps)\n\n| op | calls a step | ms | kernels ms | Python ms | Python a call (us) |\n|---|---|---|---|---|---|")
+    for op in (o for o in OPS if calls[o]):
+        py = (spent[op] - kern[op]) / n
+        print(f"| {op} | {calls[op] / n:.0f} | {spent[op] / n * 1e3:.2f} | {kern[op] / n * 1e3:.2f} | {py * 1e3:.2f} | {py / (calls[op] / n) * 1e6:.1f} |")
+    print(f"| outside ops | | {(step - sum(spent.values()) / n) * 1e3:.2f} | | | |\n")
+
+
+def matrices(m, tokens: int) -> None:
+    import quant
+    be, seq = m.backend, []
+    for L in be.layers:
+        parts = [("qkv", L.qkv)] if L.qkv is not None else [("wq", L.wq), ("wk", L.wk), ("wv", L.wv)]
+        parts += [("wo", L.wo)] + ([("gate_up", L.gate_up)] if L.gate_up is not None else [("gate", L.gate), ("up", L.up)])
+        seq += parts + [("down", L.down)]
+    seq.append(("output", be.output))
+    rng = np.random.default_rng(0)
+    X = {W.n_in: rng.standard_normal((tokens, W.n_in)).astype(np.float32) for _, W in seq}
+    Y = {id(W): np.empty((tokens, W.n_out), np.float32) for _, W in seq}
+    times, size = collections.defaultdict(list), collections.Counter()
+    for p in range(8):
+        for role, W in seq:
+            key = (role, quant.T(W.type_id).name)
+            t0 = time.perf_counter()
+            W(X[W.n_in], Y[id(W)], batch=False)
+            times[key].append(time.perf_counter() - t0)
+            if p == 0:
+                size[key] += W.raw.data.nbytes if hasattr(W.raw, "data") else W.raw.nbytes
+    c = {k: len(v) // 8 for k, v in times.items()}     # matrices of that role and type a pass
+    per = {k: statistics.median(sum(v[p * c[k]:(p + 1) * c[k]]) for p in range(2, 8)) for k, v in times.items()}
+    print(f"matrices, {tokens} token(s), one token's steps each\n\n| role | type | ms | MB | GB/s |\n|---|---|---|---|---|")
+    for (role, t), s in per.items():
+        print(f"| {role} | {t} | {s * 1e3:.2f} | {size[(role, t)] / 1e6:.0f} | {size[(role, t)] / s / 1e9:.1f} |")
+    total = sum(per.values())
+    print(f"| all | | {total * 1e3:.2f} | {sum(size.values()) / 1e6:.0f} | {sum(size.values()) / total / 1e9:.1f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", nargs="?", default="qwen2.5-coder:0.5b")
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=1)
+    a = ap.parse_args()
+    from runner.model import load
+    m = load(a.model)
+    matrices(m, a.tokens)
+    print()
+    ops(m, a.n)
+
+
+if __name__ == "__main__":
+    main()
