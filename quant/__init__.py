@@ -8,7 +8,7 @@ import numpy as np  # noqa: E402
 from gguf_io.types import GGMLQuantizationType as T
 
 from quant import cpu, floats, gemm8, kquants, legacy, packed
-from quant.common import QType
+from quant.common import QType, threads  # noqa: F401  (quant.threads: the backend reads it too)
 
 QTYPES: dict[int, QType] = {**floats.QTYPES, **legacy.QTYPES, **kquants.QTYPES}
 

@@ -56,6 +56,7 @@ from quant.kquants import ROWS, _byte, _k4_scales, quantize_x
 from quant.gemm8 import I8, I32, F32, V64B, V16I, V16F, _ptr, _splat
 from quant.intrin import c_array, call_c, fetch_add
 from quant import cpu
+from quant.common import threads
 
 I1 = ir.IntType(1)
 V32H = ir.VectorType(ir.IntType(16), 32)
@@ -625,7 +626,7 @@ def _matmul(kind: int):
     """The matmul of one kind: f(pk, nb, xq, xd, isum, y, nbatch) on numba's threads (for
     bench/packed_ab.py, which calls revisions' kernels by this name)."""
     fn = _kernel(kind).address
-    return lambda *a: _run(fn, numba.get_num_threads(), *a)
+    return lambda *a: _run(fn, threads(), *a)
 
 
 @njit(cache=True)
@@ -724,12 +725,12 @@ def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True, rou
         rounded[key] = xq, xd, isum, nb
     nbatch = batch_tokens(p.kind, n) if batch else 0
     if m == n and Y.flags.c_contiguous:     # the kernels write through flat offsets
-        _run(_kernel(p.kind).address, numba.get_num_threads(), p.data, nb, xq, xd, isum, Y, nbatch)
+        _run(_kernel(p.kind).address, threads(), p.data, nb, xq, xd, isum, Y, nbatch)
         return
     Yp = _ybuf.get(p.rows)
     if Yp is None or Yp.shape[0] < m:
         Yp = _ybuf[p.rows] = np.empty((max(ROWS, m), p.rows), np.float32)
-    _run(_kernel(p.kind).address, numba.get_num_threads(), p.data, nb, xq, xd, isum, Yp[:m], nbatch)
+    _run(_kernel(p.kind).address, threads(), p.data, nb, xq, xd, isum, Yp[:m], nbatch)
     Y[:] = Yp[:n]
 
 

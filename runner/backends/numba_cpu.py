@@ -83,6 +83,7 @@ class _State:
     qbatch: np.ndarray          # per token: its segment is a batch (the non-flash path's steps)
     qmode: np.ndarray           # per token: flash attention's path
     paths: tuple = (True, False)  # (some token's path is not FA_TILE, some token's is)
+    nth: int = 1                # numba's threads (attention's split depends on them), read once
 
 
 class _Head:
@@ -282,7 +283,7 @@ class NumbaCPU:
             if bt:      # by the size of the llama.cpp batch the run belongs to (its cold run's)
                 qmode[a:e] = K.FA_TILE if (cold[0] if cold else e - a) >= 64 else K.FA_VEC
         tile = qmode == K.FA_TILE
-        return _State(b, n, segs, qbatch, qmode, (not tile.all(), bool(tile.any())))
+        return _State(b, n, segs, qbatch, qmode, (not tile.all(), bool(tile.any())), quant.threads())
 
     def embed(self, st: _State) -> np.ndarray:
         x = self.x[:st.n]
@@ -330,13 +331,13 @@ class NumbaCPU:
             K.store_kv(k3, v3, lk.slots, lk.k, lk.v, *self._kv_codes)
         if not self.flash:      # f16 or quantized K (V is f16 here)
             K.attention(q3, b.positions, b.seq, st.qbatch, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
-                        kq_scale, a3, self.scratch, numba.get_num_threads(), self._kv_codes[0])
+                        kq_scale, a3, self.scratch, st.nth, self._kv_codes[0])
         elif plain:
             for tile in (False, True):      # each path's kernel over its queries (most batches: one)
                 if st.paths[tile]:
                     K.flash_attention(c.head_dim, tile)(q3, b.positions, b.seq, st.qmode, lk.k, lk.v, lk.pos, lk.tables,
                                                         lk.seq_slots, L.window, kq_scale, a3, self.scratch,
-                                                        numba.get_num_threads(), K.fa_items(c.head_dim, tile).address)
+                                                        st.nth, K.fa_items(c.head_dim, tile).address)
         else:
             K.flash_attention_q(q3, b.positions, b.seq, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
                                 kq_scale, a3, self.scratch, *self._kv_codes)
