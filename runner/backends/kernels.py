@@ -454,9 +454,9 @@ FA_ONE, FA_VEC, FA_TILE = 0, 1, 2
 # flash_attention's two paths for one work item. d arrives as a literal (fa_items(d, tile)), so
 # numba prunes the other head sizes' code.
 @njit
-def _fa_tile(d, group, g, kf, vf, kpage, vpage, stride, tab, top, kpos, p1, window, scale, qs, accs, P, Ms, Ss):
-    """FA_TILE: each of the group's heads through 64-cell tiles of cells [0, top)."""
-    for e in range(group):
+def _fa_tile(d, e0, e1, g, kf, vf, kpage, vpage, stride, tab, top, kpos, p1, window, scale, qs, accs, P, Ms, Ss):
+    """FA_TILE: the group's heads e0..e1 one after the other through 64-cell tiles of cells [0, top)."""
+    for e in range(e0, e1):
         qb, acc = qs[e * d:(e + 1) * d], accs[e * d:(e + 1) * d]
         M, S = Ms[e], Ss[e]
         for b0 in range(0, top, 64):          # a tile of 64 cells (one page)
@@ -490,8 +490,8 @@ def _fa_tile(d, group, g, kf, vf, kpage, vpage, stride, tab, top, kpos, p1, wind
 
 
 @njit
-def _fa_vec(d, group, g, kf, vf, kpage, vpage, stride, tab, c0, c1, kpos, p1, window, scale, qs, accs, P, Ms, Ss, Pe):
-    """FA_VEC / FA_ONE: cells [c0, c1)."""
+def _fa_vec(d, e0, e1, g, kf, vf, kpage, vpage, stride, tab, c0, c1, kpos, p1, window, scale, qs, accs, P, Ms, Ss, Pe):
+    """FA_VEC / FA_ONE: the group's heads e0..e1 over cells [c0, c1)."""
     # 16 cells at a time for all the group's heads, cell by cell across the heads:
     # a cell's K and V rows are read from memory once and from L1 for the other heads,
     # and the heads' f16 value sums are independent chains the core overlaps (one
@@ -499,7 +499,7 @@ def _fa_vec(d, group, g, kf, vf, kpage, vpage, stride, tab, c0, c1, kpos, p1, wi
     # steps are its own, in cell order, as before.
     for b0 in range(c0 - (c0 & 15), c1, 16):
         k0 = tab[b0 >> 6] * kpage + g * d * stride + (b0 & 63)
-        for e in range(group):
+        for e in range(e0, e1):
             _scores_one(d, kf, k0, stride, qs[e * d:(e + 1) * d], P)
             for cc in range(16):
                 Pe[e * 16 + cc] = P[cc] * scale
@@ -509,7 +509,7 @@ def _fa_vec(d, group, g, kf, vf, kpage, vpage, stride, tab, c0, c1, kpos, p1, wi
                 continue
             r = _row(tab, s)
             v0 = (r >> 6) * vpage + g * 64 * d + (r & 63) * d
-            for e in range(group):
+            for e in range(e0, e1):
                 a0, M, sv = e * d, Ms[e], Pe[e * 16 + cc]     # offsets, not slices: no view per cell
                 ms, vs = f32(1), f32(1)
                 if sv > M:
@@ -545,7 +545,8 @@ _fa_compiled: dict[tuple[int, bool], object] = {}     # (head_dim, tile) -> its 
 
 def fa_items(head_dim: int, tile: bool):
     """Work items [i0, i1) of flash_attention(head_dim, tile) (each a query, a kv head and a
-    chunk of cells; the rows of it: t, g, c, c0, c1 and the query's row of part or -1), one after
+    chunk of cells; the rows of it: t, g, c, c0, c1, the query's row of part or -1 and the
+    group's heads e0..e1 it takes), one after
     the other in scratch row th: a C function of its own (numba's cfunc, cached), called through
     its address by the parallel loop _fa_run. A jit callee's code would be linked, optimized
     and compiled again in the loop's gufunc, its two wrappers and the kernel, and numba's
@@ -557,7 +558,7 @@ def fa_items(head_dim: int, tile: bool):
 
     def items(i0, i1, th, it_, nit, q_, nq, qpos_, nqp, qseq_, nqs, kf_, nk, vf_, nv, kpos_, npos, tables_, ntab,
               part_, npart, out_, nout, scr_, nscr, n_head, n_kv, stride, width, nth, row, window, scale):
-        it, q, qpos, qseq = numba.carray(it_, (nit // 6, 6)), numba.carray(q_, nq), numba.carray(qpos_, nqp), numba.carray(qseq_, nqs)
+        it, q, qpos, qseq = numba.carray(it_, (nit // 8, 8)), numba.carray(q_, nq), numba.carray(qpos_, nqp), numba.carray(qseq_, nqs)
         kf, vf, kpos = numba.carray(kf_, nk), numba.carray(vf_, nv), numba.carray(kpos_, npos)
         tables, part, out = numba.carray(tables_, ntab), numba.carray(part_, npart), numba.carray(out_, nout)
         buf = numba.carray(scr_, nscr)[th * row:(th + 1) * row]
@@ -569,10 +570,10 @@ def fa_items(head_dim: int, tile: bool):
         qs, accs, P = buf[:gd], buf[gd:2 * gd], buf[2 * gd:o1]
         Ms, Ss, Pe = buf[o1:o1 + group], buf[o1 + group:o1 + 2 * group], buf[o1 + 2 * group:o1 + 18 * group]
         for i in range(i0, i1):
-            t, g, c, c0, c1, pr = it[i, 0], it[i, 1], it[i, 2], it[i, 3], it[i, 4], it[i, 5]
+            t, g, c, c0, c1, pr, e0, e1 = it[i, 0], it[i, 1], it[i, 2], it[i, 3], it[i, 4], it[i, 5], it[i, 6], it[i, 7]
             tab = tables[qseq[t] * width:(qseq[t] + 1) * width]
             p1 = qpos[t]
-            for e in range(group):
+            for e in range(e0, e1):
                 h = g * group + e
                 for j in range(d):
                     x = q[(t * n_head + h) * d + j]
@@ -580,10 +581,10 @@ def fa_items(head_dim: int, tile: bool):
                     accs[e * d + j] = 0
                 Ms[e], Ss[e] = f32(-np.inf), f32(0)     # float32 throughout: exp of a float64 would round differently
             if tile:
-                _fa_tile(d, group, g, kf, vf, kpage, vpage, stride, tab, c1, kpos, p1, window, scale, qs, accs, P, Ms, Ss)
+                _fa_tile(d, e0, e1, g, kf, vf, kpage, vpage, stride, tab, c1, kpos, p1, window, scale, qs, accs, P, Ms, Ss)
             else:
-                _fa_vec(d, group, g, kf, vf, kpage, vpage, stride, tab, c0, c1, kpos, p1, window, scale, qs, accs, P, Ms, Ss, Pe)
-            for e in range(group):
+                _fa_vec(d, e0, e1, g, kf, vf, kpage, vpage, stride, tab, c0, c1, kpos, p1, window, scale, qs, accs, P, Ms, Ss, Pe)
+            for e in range(e0, e1):
                 h = g * group + e
                 M, S = Ms[e], Ss[e]
                 if pr >= 0:         # a chunk of a split query: its M, S and value sums, merged later
@@ -633,7 +634,8 @@ def flash_attention(head_dim: int, tile: bool):
     Cells past them, or that a query may not see, are skipped as their -inf mask makes
     llama.cpp skip them. Work items: a query, a kv head and
     a chunk of cells; the group's query heads go through each block of 16 cells together
-    (FA_TILE: one head after the other)."""
+    (FA_TILE: one head after the other), or some of them each where there are fewer items
+    than threads (gemma3's decode: its one kv head's four query heads, two a thread)."""
     def flash_attention_kernel(q, qpos, qseq, qmode, k, v, kpos, tables, seq_slots, window, scale, out, scratch, nth, fn):
         d = head_dim
         n_tok, n_head = q.shape[0], q.shape[1]
@@ -661,7 +663,11 @@ def flash_attention(head_dim: int, tile: bool):
                 n_split += 1
             n_items += n_kv * nch[t]
         part = np.zeros((max(n_split, 1), n_head, nth, d + 2), np.float32)   # per chunk: M, S, values
-        it = np.empty((n_items, 6), np.int64)
+        # fewer items than threads (gemma3's decode: one kv head, one chunk): the group's query
+        # heads split among items, each head's steps its own whichever item takes it
+        group = n_head // n_kv
+        hs = min(group, -(-nth // n_items)) if 0 < n_items < nth else 1
+        it = np.empty((n_items * hs, 8), np.int64)
         i = 0
         for t in range(n_tok):
             if (qmode[t] == FA_TILE) != tile:
@@ -669,10 +675,11 @@ def flash_attention(head_dim: int, tile: bool):
             size = -(-nek[t] // nch[t])
             for g in range(n_kv):
                 for c in range(nch[t]):
-                    it[i, 0], it[i, 1], it[i, 2] = t, g, c
-                    it[i, 3], it[i, 4] = c * size, top[t] if tile else min((c + 1) * size, nek[t], top[t])
-                    it[i, 5] = pidx[t]
-                    i += 1
+                    for p in range(hs):
+                        it[i, 0], it[i, 1], it[i, 2] = t, g, c
+                        it[i, 3], it[i, 4] = c * size, top[t] if tile else min((c + 1) * size, nek[t], top[t])
+                        it[i, 5], it[i, 6], it[i, 7] = pidx[t], group * p // hs, group * (p + 1) // hs
+                        i += 1
         _fa_run(fn, nth, it, q, qpos, qseq, k.ravel(), v.ravel(), kpos, tables, part, out, scratch, n_head, n_kv, stride,
                 window, scale)
         for t in range(n_tok):          # merge the chunks of split queries, in order
