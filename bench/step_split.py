@@ -1,6 +1,6 @@
 """A decode step taken apart without cProfile's per-call cost (bench/decode_profile.py's):
 
-    python bench/step_split.py [MODEL] [-n 64] [--tokens T]
+    python bench/step_split.py [MODEL] [-n 64] [--tokens T] [--python]
 
 1. Ops: n greedy decode steps with each backend op (graph.run's) timed, and within it the
    compiled kernels it calls (the packed matmul's parallel loop and runner.backends.kernels'
@@ -11,6 +11,10 @@
    tokens with one token's float steps (decode T=1, a speculative check T=4), nothing else
    between the calls: ms and GB/s by role and type, median of 6 passes (compare with
    bench/kernels.py's read bandwidth).
+3. Python alone (--python, instead of 1 and 2): a decode step with every compiled call a
+   no-op, against the real step measured just before: what the interpreter costs with hot
+   caches. Inside a real step the same Python runs 2-3x slower (the weights streaming
+   through the caches between its lines), so read it as a floor.
 """
 from __future__ import annotations
 
@@ -104,14 +108,48 @@ def matrices(m, tokens: int) -> None:
     print(f"| all | | {total * 1e3:.2f} | {sum(size.values()) / 1e6:.0f} | {sum(size.values()) / total / 1e9:.1f} |")
 
 
+def python_alone(m, n: int) -> None:
+    import quant
+    from quant import packed as P
+    from runner.backends import kernels as K
+    be = m.backend
+    cache = be.make_cache(4096)
+    be.forward(m.tokenizer.encode("def quicksort(xs):"), cache)
+
+    def step_ms() -> float:
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for i in range(n):
+                be.forward([100 + i], cache)
+            best = min(best, (time.perf_counter() - t0) / n)
+            cache.rollback(n)
+        return best * 1e3
+
+    real = step_ms()
+    noop = lambda *a, **k: None     # noqa: E731
+    for name in dir(K):
+        if hasattr(getattr(K, name), "py_func"):
+            setattr(K, name, noop)
+    K.flash_attention = lambda *a: noop
+    P._run = P._quantize_0 = P._quantize_k = noop
+    q = quant.qtype(be.embd.type_id)
+    object.__setattr__(q, "dequant_rows", noop)
+    print(f"decode step {real:.2f} ms; its Python alone (every compiled call a no-op) {step_ms():.3f} ms "
+          f"(best of 5 runs of {n} steps)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default="qwen2.5-coder:0.5b")
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--python", action="store_true", help="the Python alone (3. above)")
     a = ap.parse_args()
     from runner.model import load
     m = load(a.model)
+    if a.python:
+        return python_alone(m, a.n)
     matrices(m, a.tokens)
     print()
     ops(m, a.n)
