@@ -1,6 +1,6 @@
 """A decode step taken apart without cProfile's per-call cost (bench/decode_profile.py's):
 
-    python bench/step_split.py [MODEL] [-n 64] [--tokens T] [--python]
+    python bench/step_split.py [MODEL] [-n 64] [--tokens T] [--calls | --python]
 
 1. Ops: n greedy decode steps with each backend op (graph.run's) timed, and within it the
    compiled kernels it calls (the packed matmul's parallel loop and runner.backends.kernels'
@@ -11,7 +11,11 @@
    tokens with one token's float steps (decode T=1, a speculative check T=4), nothing else
    between the calls: ms and GB/s by role and type, median of 6 passes (compare with
    bench/kernels.py's read bandwidth).
-3. Python alone (--python, instead of 1 and 2): a decode step with every compiled call a
+3. Calls (--calls, instead of 1 and 2): every compiled call of n greedy decode steps timed by
+   name (the packed matmul's parallel loop, its activation quantizers, each kernel of
+   runner.backends.kernels, the embedding lookup, the sampler), the step's rest (Python,
+   numpy glue between the calls, ~0.5 us a call of this timing) last.
+4. Python alone (--python, instead of 1 and 2): a decode step with every compiled call a
    no-op, against the real step measured just before: what the interpreter costs with hot
    caches. Inside a real step the same Python runs 2-3x slower (the weights streaming
    through the caches between its lines), so read it as a floor.
@@ -108,6 +112,48 @@ def matrices(m, tokens: int) -> None:
     print(f"| all | | {total * 1e3:.2f} | {sum(size.values()) / 1e6:.0f} | {sum(size.values()) / total / 1e9:.1f} |")
 
 
+def calls(m, n: int) -> None:
+    import quant
+    from quant import packed as P
+    from runner.backends import kernels as K
+    from runner.sampler import Sampler, SamplerConfig
+    be = m.backend
+    spent, count = collections.Counter(), collections.Counter()
+
+    def timed(f, name):
+        def g(*a):
+            t0 = time.perf_counter()
+            r = f(*a)
+            spent[name] += time.perf_counter() - t0
+            count[name] += 1
+            return r
+        return g
+
+    for name in dir(K):
+        if hasattr(getattr(K, name), "py_func"):
+            setattr(K, name, timed(getattr(K, name), name))
+    fa = K.flash_attention
+    K.flash_attention = lambda *a: timed(fa(*a), "flash_attention")
+    for name in ("_run", "_quantize_0", "_quantize_k"):
+        setattr(P, name, timed(getattr(P, name), name))
+    q = quant.qtype(be.embd.type_id)
+    object.__setattr__(q, "dequant_rows", timed(q.dequant_rows, "embedding"))
+    cache, sampler = be.make_cache(4096), Sampler(SamplerConfig(temp=0))
+    sampler.next = timed(sampler.next, "sampler")
+    logits = be.forward(m.tokenizer.encode("def quicksort(xs):"), cache)[-1]
+    for _ in range(8):
+        logits = be.forward([sampler.next(logits)], cache)[-1]
+    spent.clear(), count.clear()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        logits = be.forward([sampler.next(logits)], cache)[-1]
+    step = (time.perf_counter() - t0) / n
+    print(f"decode step {step * 1e3:.2f} ms ({n} steps from 5 tokens deep)\n\n| call | a step | ms a step | us a call |\n|---|---|---|---|")
+    for name in sorted(spent, key=lambda k: -spent[k]):
+        print(f"| {name} | {count[name] / n:.0f} | {spent[name] / n * 1e3:.3f} | {spent[name] / count[name] * 1e6:.1f} |")
+    print(f"| the rest | | {(step - sum(spent.values()) / n) * 1e3:.3f} | |")
+
+
 def python_alone(m, n: int) -> None:
     import quant
     from quant import packed as P
@@ -144,12 +190,13 @@ def main() -> None:
     ap.add_argument("model", nargs="?", default="qwen2.5-coder:0.5b")
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=1)
-    ap.add_argument("--python", action="store_true", help="the Python alone (3. above)")
+    ap.add_argument("--calls", action="store_true", help="every compiled call timed (3. above)")
+    ap.add_argument("--python", action="store_true", help="the Python alone (4. above)")
     a = ap.parse_args()
     from runner.model import load
     m = load(a.model)
-    if a.python:
-        return python_alone(m, a.n)
+    if a.python or a.calls:
+        return (python_alone if a.python else calls)(m, a.n)
     matrices(m, a.tokens)
     print()
     ops(m, a.n)

@@ -157,6 +157,39 @@ def test_attention_kernel_masks_by_position_and_window(window, batch):
             np.testing.assert_allclose(out[t, h], w @ v[g], rtol=1e-5, atol=1e-5)
 
 
+def test_flash_attention_splits_a_kv_heads_queries_without_changing_their_bits():
+    """One token over one kv head with four query heads (gemma3's decode) is one work item:
+    on two threads its heads are split between two items. Every head keeps the bits it gets
+    on one thread and computed alone."""
+    import numba
+    from runner.backends import kernels as K
+    from runner.kv_cache import _kv_arrays
+    rng = np.random.default_rng(5)
+    d, n_head, cells = 64, 4, 100
+    k, v = _kv_arrays(1, d, 2)
+    slots = np.arange(cells)
+    K.rope_store(np.zeros((cells, n_head, d), np.float32), rng.standard_normal((cells, 1, d)).astype(np.float32),
+                 rng.standard_normal((cells, 1, d)).astype(np.float32), slots, np.float32(1), np.float32(0),
+                 np.ones(d // 2, np.float32), False, slots, k, v, np.float32(1), False, True)
+    kpos = np.full(128, -1, np.int64)
+    kpos[:cells] = slots
+    q = rng.standard_normal((1, n_head, d)).astype(np.float32)
+    scratch = np.zeros((max(2, numba.config.NUMBA_NUM_THREADS), K.attention_scratch(128, d, n_head)), np.float32)
+    kern, fn = K.flash_attention(d, False), K.fa_items(d, False).address
+
+    def run(qh, nth):
+        out = np.zeros_like(qh)
+        kern(qh, np.array([cells - 1]), np.zeros(1, np.int64), np.full(1, K.FA_ONE, np.int8), k, v, kpos,
+             np.arange(2)[None], np.array([cells]), 0, np.float32(d ** -0.5), out, scratch, nth, fn)
+        return out
+
+    split = run(q, 2)
+    assert np.abs(split).min() > 0
+    np.testing.assert_array_equal(split, run(q, 1))
+    for h in range(n_head):
+        np.testing.assert_array_equal(split[:, h], run(np.ascontiguousarray(q[:, h:h + 1]), 1)[:, 0])
+
+
 def _fma(a, b, c):
     """float32 fma (the float64 product is exact; its double rounding is negligibly rare)."""
     return np.float32(np.float64(a) * np.float64(b) + np.float64(c))

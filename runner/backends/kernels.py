@@ -492,7 +492,7 @@ def _fa_tile(d, e0, e1, g, kf, vf, kpage, vpage, stride, tab, top, kpos, p1, win
 @njit
 def _fa_vec(d, e0, e1, g, kf, vf, kpage, vpage, stride, tab, c0, c1, kpos, p1, window, scale, qs, accs, P, Ms, Ss, Pe):
     """FA_VEC / FA_ONE: the group's heads e0..e1 over cells [c0, c1)."""
-    # 16 cells at a time for all the group's heads, cell by cell across the heads:
+    # 16 cells at a time for the item's heads (the group's, or a share), cell by cell across them:
     # a cell's K and V rows are read from memory once and from L1 for the other heads,
     # and the heads' f16 value sums are independent chains the core overlaps (one
     # head's chain of convert-fma-convert per cell is latency-bound). Each head's float
