@@ -37,6 +37,17 @@ import numpy as np  # noqa: E402
 OPS = ("begin", "embed", "norm", "qkv", "head_norm", "attend", "linear", "rows", "add", "ffn", "head_out")
 
 
+def _wrap_kernels(K, wrap) -> None:
+    """Each compiled function of runner.backends.kernels as wrap(f, name) makes it. Only once
+    the forward has compiled (or loaded) them: numba resolves a kernel's callees through these
+    module globals when it compiles."""
+    for name in dir(K):
+        if hasattr(getattr(K, name), "py_func"):
+            setattr(K, name, wrap(getattr(K, name), name))
+    fa = K.flash_attention
+    K.flash_attention = lambda *a: wrap(fa(*a), "flash_attention")
+
+
 def ops(m, n: int) -> None:
     from quant import packed as P
     from runner.backends import kernels as K
@@ -58,17 +69,13 @@ def ops(m, n: int) -> None:
             return r
         return g
 
-    P._run = timed(P._run)
-    for name in dir(K):
-        f = getattr(K, name)
-        if hasattr(f, "py_func") and name != "flash_attention":
-            setattr(K, name, timed(f))
-    fa = K.flash_attention
-    K.flash_attention = lambda *a: timed(fa(*a))
-    for op in OPS:
-        setattr(be, op, timed(getattr(be, op), op))
     cache, sampler = be.make_cache(512), Sampler(SamplerConfig(temp=0))
     logits = be.forward(m.tokenizer.encode("def quicksort(xs):"), cache)[-1]
+    logits = be.forward([sampler.next(logits)], cache)[-1]     # every kernel compiled or loaded
+    _wrap_kernels(K, lambda f, name: timed(f))                 # before its globals are wrapped
+    P._run = timed(P._run)
+    for op in OPS:
+        setattr(be, op, timed(getattr(be, op), op))
     for _ in range(4):
         logits = be.forward([sampler.next(logits)], cache)[-1]
     spent.clear(), kern.clear(), calls.clear()
@@ -129,18 +136,15 @@ def calls(m, n: int) -> None:
             return r
         return g
 
-    for name in dir(K):
-        if hasattr(getattr(K, name), "py_func"):
-            setattr(K, name, timed(getattr(K, name), name))
-    fa = K.flash_attention
-    K.flash_attention = lambda *a: timed(fa(*a), "flash_attention")
+    cache, sampler = be.make_cache(4096), Sampler(SamplerConfig(temp=0))
+    logits = be.forward(m.tokenizer.encode("def quicksort(xs):"), cache)[-1]
+    logits = be.forward([sampler.next(logits)], cache)[-1]     # every kernel compiled or loaded
+    _wrap_kernels(K, timed)
     for name in ("_run", "_quantize_0", "_quantize_k"):
         setattr(P, name, timed(getattr(P, name), name))
     q = quant.qtype(be.embd.type_id)
     object.__setattr__(q, "dequant_rows", timed(q.dequant_rows, "embedding"))
-    cache, sampler = be.make_cache(4096), Sampler(SamplerConfig(temp=0))
     sampler.next = timed(sampler.next, "sampler")
-    logits = be.forward(m.tokenizer.encode("def quicksort(xs):"), cache)[-1]
     for _ in range(8):
         logits = be.forward([sampler.next(logits)], cache)[-1]
     spent.clear(), count.clear()
@@ -174,10 +178,7 @@ def python_alone(m, n: int) -> None:
 
     real = step_ms()
     noop = lambda *a, **k: None     # noqa: E731
-    for name in dir(K):
-        if hasattr(getattr(K, name), "py_func"):
-            setattr(K, name, noop)
-    K.flash_attention = lambda *a: noop
+    _wrap_kernels(K, lambda f, name: noop)
     P._run = P._quantize_0 = P._quantize_k = noop
     q = quant.qtype(be.embd.type_id)
     object.__setattr__(q, "dequant_rows", noop)
