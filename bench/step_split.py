@@ -37,6 +37,15 @@ import numpy as np  # noqa: E402
 OPS = ("begin", "embed", "norm", "qkv", "head_norm", "attend", "linear", "rows", "add", "ffn", "head_out")
 
 
+def _decoding(m, cap: int):
+    """A cache of cap tokens, a greedy sampler and the logits after a short prompt and one
+    decode step: every kernel of decode compiled or loaded before _wrap_kernels."""
+    from runner.sampler import Sampler, SamplerConfig
+    cache, sampler = m.backend.make_cache(cap), Sampler(SamplerConfig(temp=0))
+    logits = m.backend.forward(m.tokenizer.encode("def quicksort(xs):"), cache)[-1]
+    return cache, sampler, m.backend.forward([sampler.next(logits)], cache)[-1]
+
+
 def _wrap_kernels(K, wrap) -> None:
     """Each compiled function of runner.backends.kernels as wrap(f, name) makes it. Only once
     the forward has compiled (or loaded) them: numba resolves a kernel's callees through these
@@ -51,7 +60,6 @@ def _wrap_kernels(K, wrap) -> None:
 def ops(m, n: int) -> None:
     from quant import packed as P
     from runner.backends import kernels as K
-    from runner.sampler import Sampler, SamplerConfig
     be, inside = m.backend, [0.0]
     spent, kern, calls = collections.Counter(), collections.Counter(), collections.Counter()
 
@@ -69,10 +77,8 @@ def ops(m, n: int) -> None:
             return r
         return g
 
-    cache, sampler = be.make_cache(512), Sampler(SamplerConfig(temp=0))
-    logits = be.forward(m.tokenizer.encode("def quicksort(xs):"), cache)[-1]
-    logits = be.forward([sampler.next(logits)], cache)[-1]     # every kernel compiled or loaded
-    _wrap_kernels(K, lambda f, name: timed(f))                 # before its globals are wrapped
+    cache, sampler, logits = _decoding(m, 512)
+    _wrap_kernels(K, lambda f, name: timed(f))
     P._run = timed(P._run)
     for op in OPS:
         setattr(be, op, timed(getattr(be, op), op))
@@ -123,7 +129,6 @@ def calls(m, n: int) -> None:
     import quant
     from quant import packed as P
     from runner.backends import kernels as K
-    from runner.sampler import Sampler, SamplerConfig
     be = m.backend
     spent, count = collections.Counter(), collections.Counter()
 
@@ -136,9 +141,7 @@ def calls(m, n: int) -> None:
             return r
         return g
 
-    cache, sampler = be.make_cache(4096), Sampler(SamplerConfig(temp=0))
-    logits = be.forward(m.tokenizer.encode("def quicksort(xs):"), cache)[-1]
-    logits = be.forward([sampler.next(logits)], cache)[-1]     # every kernel compiled or loaded
+    cache, sampler, logits = _decoding(m, 4096)
     _wrap_kernels(K, timed)
     for name in ("_run", "_quantize_0", "_quantize_k"):
         setattr(P, name, timed(getattr(P, name), name))
