@@ -17,7 +17,7 @@
    numpy glue between the calls, ~0.5 us a call of this timing) last.
 4. Python alone (--python, instead of 1 and 2): a decode step with every compiled call a
    no-op, against the real step measured just before: what the interpreter costs with hot
-   caches. Inside a real step the same Python runs 2-3x slower (the weights streaming
+   caches. Inside a real step the same Python runs 2-4x slower (the weights streaming
    through the caches between its lines), so read it as a floor.
 """
 from __future__ import annotations
