@@ -1,8 +1,9 @@
 """The decode attention kernels alone (K.flash_attention for an f16 cache, K.flash_attention_q
 for q8_0 / q4_0 / mixed): one query over 4096 cells, 24 layers' caches cycled so that they
-come from memory as in a real step, on the shapes of qwen2.5-coder:0.5b (14 heads, 2 kv, d 64)
-and 1.5b (12, 2, 128); min and median ms per layer. The outputs go to /tmp/fa_TAG.npz, so two
-trees (SRC=...) can be checked for equal bits. numbat against itself: the llama.cpp ratios at
+come from memory as in a real step, on the shapes of qwen2.5-coder:0.5b (14 heads, 2 kv, d 64),
+1.5b (12, 2, 128) and gemma3:270m (4, 1, 256: one work item per query below 512 cells); min
+and median ms per layer. The outputs go to /tmp/fa_TAG.npz, so two trees (SRC=...) can be
+checked for equal bits. numbat against itself: the llama.cpp ratios at
 depth are bench/depth_compare.py's.
 
     python bench/attention_kernel.py TAG
@@ -57,7 +58,7 @@ def run(shape, cells, types, runs, layers=24):
 if __name__ == "__main__":
     tag = sys.argv[1]
     res = {}
-    for name, shape in (("0.5b", (14, 2, 64)), ("1.5b", (12, 2, 128))):
+    for name, shape in (("0.5b", (14, 2, 64)), ("1.5b", (12, 2, 128)), ("gemma3", (4, 1, 256))):
         for types in [tuple(x.split("/")) for x in os.environ.get("TYPES", "f16/f16,q8_0/q8_0").split(",")]:
             for cells in [int(c) for c in os.environ.get("CELLS", "4096").split(",")]:
                 t, o = run(shape, cells, types, 15 if types[0] == "f16" else 5)
