@@ -211,3 +211,21 @@ def test_jobs_are_shared_not_repeated(tmp_path):
     assert ran == {"a": ["x", "z"], "b": []}
     numba_cpu.run_jobs(todo("b"), str(tmp_path / "gone"))     # no claims directory: run them all
     assert ran["b"] == ["x", "y", "z"]
+
+
+def test_write_bytecode_compiles_numbats_modules_even_where_python_would_not(tmp_path, monkeypatch):
+    """The helper's last job: bytecode for numbat's own modules, also under
+    PYTHONDONTWRITEBYTECODE (sys.dont_write_bytecode), and for nothing else in the folder."""
+    import importlib.util
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    (tmp_path / "runner" / "backends").mkdir(parents=True)
+    mine = [tmp_path / "cli.py", tmp_path / "runner" / "__init__.py", tmp_path / "runner" / "backends" / "k.py"]
+    other = tmp_path / "other.py"
+    for i, p in enumerate(mine + [other]):
+        p.write_text(f"X = {i}\n")
+    numba_cpu.write_bytecode(tmp_path)
+    for p in mine:
+        pyc = importlib.util.cache_from_source(str(p))
+        assert os.path.isfile(pyc), p
+        assert os.path.getmtime(pyc) >= os.path.getmtime(p)
+    assert not os.path.exists(importlib.util.cache_from_source(str(other)))
