@@ -45,7 +45,9 @@ def run(shape, cells, types, runs, layers=24):
         f = lambda: kern(q, qpos, qseq, np.array([K.FA_ONE], np.int64), k, v, kpos, tables, ss, 0, sc, out, scratch, numba.get_num_threads(), item)
     else:
         codes = {"f16": K.KV_F16, "q8_0": K.KV_Q8_0, "q4_0": K.KV_Q4_0}
-        f = lambda: K.flash_attention_q(q, qpos, qseq, k, v, kpos, tables, ss, 0, sc, out, scratch, codes[types[0]], codes[types[1]])
+        # the thread count, where the tree's kernel takes it (its head split, session 29)
+        nth = (numba.get_num_threads(),) if "threads" in K.flash_attention_q.py_func.__code__.co_varnames else ()
+        f = lambda: K.flash_attention_q(q, qpos, qseq, k, v, kpos, tables, ss, 0, sc, out, scratch, *nth, codes[types[0]], codes[types[1]])
     f()
     o = out.copy()
     ts = []

@@ -157,30 +157,41 @@ def test_attention_kernel_masks_by_position_and_window(window, batch):
             np.testing.assert_allclose(out[t, h], w @ v[g], rtol=1e-5, atol=1e-5)
 
 
-def test_flash_attention_splits_a_kv_heads_queries_without_changing_their_bits():
+@pytest.mark.parametrize("types", [("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "f16")])
+def test_flash_attention_splits_a_kv_heads_queries_without_changing_their_bits(types):
     """One token over one kv head with four query heads (gemma3's decode) is one work item:
-    on two threads its heads are split between two items. Every head keeps the bits it gets
-    on one thread and computed alone."""
+    on two threads its heads are split between two items, for an f16 cache (flash_attention)
+    and a quantized one (flash_attention_q). Every head keeps the bits it gets on one thread
+    and computed alone."""
     import numba
     from runner.backends import kernels as K
     from runner.kv_cache import _kv_arrays
     rng = np.random.default_rng(5)
     d, n_head, cells = 64, 4, 100
-    k, v = _kv_arrays(1, d, 2)
+    k, v = _kv_arrays(1, d, 2, types)
     slots = np.arange(cells)
-    K.rope_store(np.zeros((cells, n_head, d), np.float32), rng.standard_normal((cells, 1, d)).astype(np.float32),
-                 rng.standard_normal((cells, 1, d)).astype(np.float32), slots, np.float32(1), np.float32(0),
-                 np.ones(d // 2, np.float32), False, slots, k, v, np.float32(1), False, True)
+    kk, vv = (rng.standard_normal((cells, 1, d)).astype(np.float32) for _ in "kv")
+    codes = {"f16": K.KV_F16, "q8_0": K.KV_Q8_0, "q4_0": K.KV_Q4_0}
+    kt, vt = codes[types[0]], codes[types[1]]
+    if types == ("f16", "f16"):
+        K.rope_store(np.zeros((cells, n_head, d), np.float32), kk, vv, slots, np.float32(1), np.float32(0),
+                     np.ones(d // 2, np.float32), False, slots, k, v, np.float32(1), False, True)
+    else:
+        K.store_kv(kk, vv, slots, k, v, kt, vt)
     kpos = np.full(128, -1, np.int64)
     kpos[:cells] = slots
     q = rng.standard_normal((1, n_head, d)).astype(np.float32)
     scratch = np.zeros((max(2, numba.config.NUMBA_NUM_THREADS), K.attention_scratch(128, d, n_head)), np.float32)
     kern, fn = K.flash_attention(d, False), K.fa_items(d, False).address
+    where = (np.array([cells - 1]), np.zeros(1, np.int64))
+    table = (k, v, kpos, np.arange(2)[None], np.array([cells]), 0, np.float32(d ** -0.5))
 
     def run(qh, nth):
         out = np.zeros_like(qh)
-        kern(qh, np.array([cells - 1]), np.zeros(1, np.int64), np.full(1, K.FA_ONE, np.int8), k, v, kpos,
-             np.arange(2)[None], np.array([cells]), 0, np.float32(d ** -0.5), out, scratch, nth, fn)
+        if types == ("f16", "f16"):
+            kern(qh, *where, np.full(1, K.FA_ONE, np.int8), *table, out, scratch, nth, fn)
+        else:
+            K.flash_attention_q(qh, *where, *table, out, scratch, nth, kt, vt)
         return out
 
     split = run(q, 2)

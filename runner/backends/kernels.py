@@ -797,20 +797,26 @@ def _deq_row(vr, vt, nb, out):
 
 
 @njit(parallel=PRANGE, cache=True)
-def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scale, out, scratch, kt, vt):
+def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scale, out, scratch, threads, kt, vt):
     """flash_attention with a quantized K or V (llama.cpp's -ctk/-ctv q8_0 | q4_0): every query
     takes the one-chunk kernel (llama.cpp's tiled and split paths need f16 K and V). q is
     converted to K's dot type (f16, or q8_0 blocks as quantize_row_q8_0 makes them); scores
     by ggml_vec_dot_f16 or the quantized dots; online softmax cell by cell with libm's expf;
-    values summed in f16 (f16 V) or in float32 fma from the dequantized row (quantized V)."""
+    values summed in f16 (f16 V) or in float32 fma from the dequantized row (quantized V).
+    A work item is a query, a kv head and its group's query heads, or a share of them where
+    there are fewer such items than threads (numba's): gemma3's decode has one kv head."""
     n_tok, n_head, d = q.shape
     n_kv = k.shape[1]
     group = n_head // n_kv
     nb = d // 32
     kf, vf = k.ravel(), v.ravel()
     row = k.shape[3]        # f16 K: a dim's slots (and a pad); quantized K: a slot's blocks
-    for i in prange(n_tok * n_kv):
-        t, g = i // n_kv, i % n_kv
+    shares = min(group, max(1, threads // (n_tok * n_kv)))
+    per = -(-group // shares)
+    for i in prange(n_tok * n_kv * shares):
+        u, e0 = i // shares, (i % shares) * per
+        t, g = u // n_kv, u % n_kv
+        hb, ng = g * group + e0, min(group - e0, per)      # this item's heads: hb, hb + 1, ...
         tab = tables[qseq[t]]
         top = 0
         for s in range(seq_slots[qseq[t]]):
@@ -827,8 +833,8 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
         qd = np.empty(group * nb, np.float32)
         qraw = np.empty(nb * 34, np.uint8)
         p1 = qpos[t]
-        for e in range(group):
-            h = g * group + e
+        for e in range(ng):
+            h = hb + e
             if kt == KV_F16:
                 for j in range(d):
                     qbs[e * d + j] = h2f(f2h(q[t, h, j]))
@@ -840,7 +846,7 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
         for b0 in range(0, top, 16):
             if kt == KV_F16:
                 k0 = tab[b0 >> 6] * (n_kv * d * row) + g * d * row + (b0 & 63)
-                for e in range(group):
+                for e in range(ng):
                     _scores_one(d, kf, k0, row, qbs[e * d:(e + 1) * d], P)
                     for cc in range(16):
                         Pe[e * 16 + cc] = P[cc]
@@ -848,7 +854,7 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
                 for cc in range(16):
                     r = _row(tab, b0 + cc)
                     k0 = ((r >> 6) * n_kv + g) * 64 + (r & 63)
-                    for e in range(group):
+                    for e in range(ng):
                         Pe[e * 16 + cc] = _dot_q(kf, k0 * row, kt, qq, e * d, qd, e * nb, nb)
             for cc in range(16):
                 s = b0 + cc
@@ -860,7 +866,7 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
                     _deq_row(v[pg, g, o], vt, nb, vrow)
                 slot = (pg * n_kv + g) * 64 + o         # its row in quantized K, f16 V
                 v0 = slot * d
-                for e in range(group):
+                for e in range(ng):
                     a0, M, S = e * d, Ms[e], Ss[e]       # offsets, not slices: no view per cell
                     sv = Pe[e * 16 + cc] * scale
                     ms, vs = f32(1), f32(1)
@@ -891,8 +897,8 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
                         for j in range(d):
                             accs[a0 + j] = fma32(vrow[j], vs, accs[a0 + j])
                     Ms[e], Ss[e] = M, fma32(S, ms, vs)
-        for e in range(group):
-            h = g * group + e
+        for e in range(ng):
+            h = hb + e
             S = Ss[e]
             inv = f32(0) if S == 0 else f32(1) / S
             for j in range(d):

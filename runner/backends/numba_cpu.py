@@ -340,7 +340,7 @@ class NumbaCPU:
                                                         st.nth, K.fa_items(c.head_dim, tile).address)
         else:
             K.flash_attention_q(q3, b.positions, b.seq, lk.k, lk.v, lk.pos, lk.tables, lk.seq_slots, L.window,
-                                kq_scale, a3, self.scratch, *self._kv_codes)
+                                kq_scale, a3, self.scratch, st.nth, *self._kv_codes)
         if self.rot_v:          # only around a quantized V
             K.fwht(attn, self.rot_v)
         return attn
