@@ -157,12 +157,13 @@ def test_attention_kernel_masks_by_position_and_window(window, batch):
             np.testing.assert_allclose(out[t, h], w @ v[g], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("types", [("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "f16")])
-def test_flash_attention_splits_a_kv_heads_queries_without_changing_their_bits(types):
+@pytest.mark.parametrize("flash, types", [(True, ("f16", "f16")), (True, ("q8_0", "q8_0")), (True, ("q4_0", "f16")),
+                                          (False, ("f16", "f16")), (False, ("q8_0", "f16"))])
+def test_attention_splits_a_kv_heads_queries_without_changing_their_bits(flash, types):
     """One token over one kv head with four query heads (gemma3's decode) is one work item:
-    on two threads its heads are split between two items, for an f16 cache (flash_attention)
-    and a quantized one (flash_attention_q). Every head keeps the bits it gets on one thread
-    and computed alone."""
+    on two threads its heads are split between two items, in each attention kernel: flash
+    attention over an f16 cache (flash_attention) or a quantized one (flash_attention_q), and
+    -fa off's (attention). Every head keeps the bits it gets on one thread and computed alone."""
     import numba
     from runner.backends import kernels as K
     from runner.kv_cache import _kv_arrays
@@ -188,7 +189,9 @@ def test_flash_attention_splits_a_kv_heads_queries_without_changing_their_bits(t
 
     def run(qh, nth):
         out = np.zeros_like(qh)
-        if types == ("f16", "f16"):
+        if not flash:
+            K.attention(qh, *where, np.zeros(1, np.bool_), *table, out, scratch, nth, kt)
+        elif types == ("f16", "f16"):
             kern(qh, *where, np.full(1, K.FA_ONE, np.int8), *table, out, scratch, nth, fn)
         else:
             K.flash_attention_q(qh, *where, *table, out, scratch, nth, kt, vt)

@@ -216,6 +216,21 @@ def _row(table, s):
     return table[s >> 6] * 64 + (s & 63)
 
 
+@njit(inline="always")
+def _shares(group, items, threads):
+    """How many work items a kv head's group of query heads is split among (the three
+    attention kernels): one, unless a call has fewer items (a query, a kv head, a chunk of
+    cells) than threads, as gemma3's decode with its one kv head. Each head's float steps are
+    its own whichever item takes it, so the split changes no bit."""
+    return min(group, -(-threads // items)) if 0 < items < threads else 1
+
+
+@njit(inline="always")
+def _share(group, shares, p):
+    """The query heads [e0, e1) of a group that share p of shares takes."""
+    return group * p // shares, group * (p + 1) // shares
+
+
 @njit(parallel=PRANGE, cache=True)
 def attention(q, qpos, qseq, qbatch, k, v, kpos, tables, seq_slots, window, scale, out, scratch, threads, kt):
     """out[t, h] = softmax(scale * q[t, h] . k[g]) @ v[g] over the slots of token t's sequence
@@ -262,11 +277,10 @@ def attention(q, qpos, qseq, qbatch, k, v, kpos, tables, seq_slots, window, scal
                 top[t] = s + 1
     # work items: a query, a kv head, and a share of its group's heads (one share unless
     # there are fewer query-kv pairs than threads (numba's): a decode step with one kv head)
-    shares = min(group, max(1, threads // (n_tok * n_kv)))
-    per = -(-group // shares)
+    shares = _shares(group, n_tok * n_kv, threads)
     for i in prange(n_tok * n_kv * shares):
-        u, g, e0 = i // (n_kv * shares), (i // shares) % n_kv, (i % shares) * per
-        e1 = min(group, e0 + per)
+        u, g = i // (n_kv * shares), (i // shares) % n_kv
+        e0, e1 = _share(group, shares, i % shares)
         t = u // 2 if u % 2 == 0 else n_tok - 1 - u // 2     # early and late queries alternate: even work
         batch = qbatch[t]
         lanes = 16 if batch else 64
@@ -663,10 +677,9 @@ def flash_attention(head_dim: int, tile: bool):
                 n_split += 1
             n_items += n_kv * nch[t]
         part = np.zeros((max(n_split, 1), n_head, nth, d + 2), np.float32)   # per chunk: M, S, values
-        # fewer items than threads (gemma3's decode: one kv head, one chunk): the group's query
-        # heads split among items, each head's steps its own whichever item takes it
+        # fewer items than threads (gemma3's decode: one kv head, one chunk): heads split
         group = n_head // n_kv
-        hs = min(group, -(-nth // n_items)) if 0 < n_items < nth else 1
+        hs = _shares(group, n_items, nth)
         it = np.empty((n_items * hs, 8), np.int64)
         i = 0
         for t in range(n_tok):
@@ -678,7 +691,8 @@ def flash_attention(head_dim: int, tile: bool):
                     for p in range(hs):
                         it[i, 0], it[i, 1], it[i, 2] = t, g, c
                         it[i, 3], it[i, 4] = c * size, top[t] if tile else min((c + 1) * size, nek[t], top[t])
-                        it[i, 5], it[i, 6], it[i, 7] = pidx[t], group * p // hs, group * (p + 1) // hs
+                        it[i, 5] = pidx[t]
+                        it[i, 6], it[i, 7] = _share(group, hs, p)
                         i += 1
         _fa_run(fn, nth, it, q, qpos, qseq, k.ravel(), v.ravel(), kpos, tables, part, out, scratch, n_head, n_kv, stride,
                 window, scale)
@@ -811,12 +825,12 @@ def flash_attention_q(q, qpos, qseq, k, v, kpos, tables, seq_slots, window, scal
     nb = d // 32
     kf, vf = k.ravel(), v.ravel()
     row = k.shape[3]        # f16 K: a dim's slots (and a pad); quantized K: a slot's blocks
-    shares = min(group, max(1, threads // (n_tok * n_kv)))
-    per = -(-group // shares)
+    shares = _shares(group, n_tok * n_kv, threads)
     for i in prange(n_tok * n_kv * shares):
-        u, e0 = i // shares, (i % shares) * per
+        u = i // shares
         t, g = u // n_kv, u % n_kv
-        hb, ng = g * group + e0, min(group - e0, per)      # this item's heads: hb, hb + 1, ...
+        e0, e1 = _share(group, shares, i % shares)
+        hb, ng = g * group + e0, e1 - e0        # this item's heads: hb, hb + 1, ...
         tab = tables[qseq[t]]
         top = 0
         for s in range(seq_slots[qseq[t]]):
