@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -587,6 +588,15 @@ _GROUP_SIG = types.void(*c_array(types.uint8), types.int64, types.int64, types.i
                         *c_array(types.int8), types.int64, *c_array(types.float32), *c_array(types.int32),
                         *c_array(types.float32), types.int64)
 _kernels: dict[int, object] = {}      # kind -> its compiled group kernel (a numba cfunc)
+# The CPU row the kernels' code follows (quant.cpu.KIND: prefetch distances and levels, batch
+# step) as a number the group kernels close over: numba keys a cached function on its own
+# code and closure, not on the modules its code generators read, so an edited row (a new
+# prefetch distance) loaded the kernels compiled for the old one.
+def plan(row: cpu.Kind) -> int:
+    return zlib.crc32(repr(row).encode())
+
+
+PLAN = plan(cpu.KIND)
 
 
 def _kernel(kind: int):
@@ -600,9 +610,11 @@ def _kernel(kind: int):
     steps differently in the 1- and 4-token kernels, and a token checked in a group must get
     the bits it gets alone."""
     if kind not in _kernels:
-        step = LSTEP if kind <= Q8_0 else 4
+        step, plan = LSTEP if kind <= Q8_0 else 4, PLAN
 
         def group(pk_, npk, row_bytes, g0, g1, nb, xq_, nxq, T, xd_, nxd, is_, nis, y_, ny, nbatch):
+            if plan < 0:        # never: the cache's key (see PLAN)
+                return
             pk = numba.carray(pk_, (npk // row_bytes, row_bytes))
             xq, xd = numba.carray(xq_, (T, nxq // T)), numba.carray(xd_, (T, nxd // T))
             isum, y = numba.carray(is_, (T, nis // T)), numba.carray(y_, (T, ny // T))

@@ -91,3 +91,27 @@ def test_a_cpu_without_avx512_imports_and_gets_the_portable_row():
             "assert quant.qtype(T.Q4_K).matvec_rows is None\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+
+def test_packed_kernels_are_cached_by_the_cpu_row():
+    """numba keys a cached kernel on its code and closure only: the row's plan must be in the
+    group kernel's closure, or an edited row (another prefetch distance) would load the
+    kernels compiled for the old one."""
+    from numba.core.caching import FunctionCache
+    from quant import packed
+    if not packed.enabled():
+        pytest.skip("no repacking on this CPU")
+    row = cpu.KIND
+    assert packed.PLAN == packed.plan(row)
+    assert packed.plan(dataclasses.replace(row, prefetch={**row.prefetch, 1: (4096, 1)})) != packed.PLAN
+    fn = packed._kernel(packed.Q4_K)
+    cells = [c for c in fn._pyfunc.__closure__ if c.cell_contents == packed.PLAN]
+    assert cells
+    key = lambda: FunctionCache(fn._pyfunc)._index_key(fn._sig.args, fn._library.codegen)
+    before = key()
+    cells[0].cell_contents = packed.PLAN + 1        # as if compiled for another row
+    try:
+        assert key() != before
+    finally:
+        cells[0].cell_contents = packed.PLAN
