@@ -478,9 +478,9 @@ def _rows16(kind, n_tok, batch=False):
 
                     # one token: the block's last 320 bytes (scales, mins, d, dmin) loaded first,
                     # so the loads that gate each quarter's products are in flight while the
-                    # quants stream (Q4_K from memory, 1 thread: 20.3 -> 22.4 GB/s, medians of 4,
-                    # Zen 4; loaded where used, the core waited on them). More tokens: where used,
-                    # as their accumulators take the registers.
+                    # quants stream (Q4_K from memory on Zen 4: 19.1 -> 20.9 GB/s on 1 thread,
+                    # 37.0 -> 41.6 on 2; loaded where used, the core waited on them). Four
+                    # tokens: where used (36 -> 32 GB/s first: their accumulators need the registers).
                     early = not batch and n_tok == 1
                     metas, dm = ([meta(p) for p in range(4)], dmins()) if early else (None, None)
 
@@ -610,10 +610,10 @@ def _kernel(kind: int):
     steps differently in the 1- and 4-token kernels, and a token checked in a group must get
     the bits it gets alone."""
     if kind not in _kernels:
-        step, plan = LSTEP if kind <= Q8_0 else 4, PLAN
+        step, row_plan = LSTEP if kind <= Q8_0 else 4, PLAN
 
         def group(pk_, npk, row_bytes, g0, g1, nb, xq_, nxq, T, xd_, nxd, is_, nis, y_, ny, nbatch):
-            if plan < 0:        # never: the cache's key (see PLAN)
+            if row_plan < 0:        # never: in the closure for the cache's key (see PLAN)
                 return
             pk = numba.carray(pk_, (npk // row_bytes, row_bytes))
             xq, xd = numba.carray(xq_, (T, nxq // T)), numba.carray(xd_, (T, nxd // T))

@@ -93,7 +93,6 @@ def test_a_cpu_without_avx512_imports_and_gets_the_portable_row():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-
 def test_packed_kernels_are_cached_by_the_cpu_row():
     """numba keys a cached kernel on its code and closure only: the row's plan must be in the
     group kernel's closure, or an edited row (another prefetch distance) would load the
