@@ -63,9 +63,14 @@ KINDS = (
     # other kinds' one token into L2 too: the 1.5b's matrices in a token's order 39.1 -> 35.6
     # ms (medians of 7 alternating runs; 8 KB ahead or 4 KB into L1 no better), the 0.5b's at
     # the memory's rate either way; four tokens (speculative checks) 4 KB ahead into L2:
-    # 95.7 -> 60.8 ms (8 KB into L2: 71.6; medians of 5 alternating runs) (session 27)
-    Kind("avx512-vnni-zen4", ("avx512f", "avx512bw", "avx512vnni"), "AMD EPYC Zen 4 (znver4, 2026-12-04), 2 cores",
-         cpus=("znver4",), **{**AVX512_VNNI, "prefetch": {1: (2048, 2), 4: (4096, 2), ("Q6_K", 1): (8192, 2)}}),
+    # 95.7 -> 60.8 ms (8 KB into L2: 71.6; medians of 5 alternating runs) (session 27).
+    # Session 31: one token without software prefetch at all, the hardware prefetcher alone
+    # (Q6_K's one-token kernel now reads its block in ascending order), from memory, 1 / 2
+    # threads (bench/packed_stream.py, alternating): Q4_K 21.6 -> 35, 43 -> 50-61 GB/s; Q4_0
+    # 33 -> 40, 43 -> 60; Q5_0 16 -> 31, 32 -> 47-52; Q6_K 20 -> 26-32, 34 -> 34-43; Q8_0
+    # 25 -> 23, 37 -> 33 (it keeps its prefetch); four tokens without: 43.8 -> 54.8 ms
+    Kind("avx512-vnni-zen4", ("avx512f", "avx512bw", "avx512vnni"), "AMD EPYC Zen 4 (znver4, 2026-12-05), 2 cores",
+         cpus=("znver4",), **{**AVX512_VNNI, "prefetch": {("Q8_0", 1): (2048, 2), 4: (4096, 2)}}),
     Kind("avx512-vnni", ("avx512f", "avx512bw", "avx512vnni"),
          "AMD EPYC Zen 5 (LLVM: znver5, 2026-12-02; Zen 4 too until 2026-12-04), 2 cores", **AVX512_VNNI),
     # AVX2, ARM, anything else: the portable numba kernels (LLVM vectorizes them for the host)

@@ -369,29 +369,31 @@ def _rows16(kind, n_tok, batch=False):
                 v3 = builder.or_(builder.or_(builder.lshr(a, ir.Constant(V64B, [6] * 64)), top(b_, 4, 12)), top(c_, 2, 48))
                 return [(0, builder.and_(a, six)), (1, builder.and_(b_, six)), (2, builder.and_(c_, six)), (3, v3)]
 
-            def q6_lane(b, o, ch):
+            def q6_block(b, o):
                 """llama.cpp's lanes for Q6_K (vec_dot_q6_K_q8_K): lane ch sums, over the eight
                 runs of 32 values of block b (at o), scale * (q . x) of values 4ch..4ch+3 of
                 the run, less 32 * (the scaled x-sums of sub-blocks 2ch and 2ch + 1); then
                 d_x * d_w times the lane into each token's accumulator ch."""
                 x0 = builder.mul(b, c(256))
                 scale = lambda j: builder.sext(load(builder.add(o, c(3072 + 16 * j)), ir.VectorType(I8, 16)), V16I)
-                # the offset's part first: lane = -32 (sa Sa + sb Sb) for the x-sums Sa, Sb of
-                # sub-blocks 2ch, 2ch + 1 (isum holds 32 Sa; |Sa| <= 2048) and their scales
-                # sa, sb, as one vpdpwssd over the word pairs (-32 sa, -32 sb) and (Sa, Sb)
                 neg32 = lambda v: builder.sub(zero, builder.shl(v, ir.Constant(V16I, [5] * 16)))
-                sab = builder.bitcast(builder.or_(builder.and_(neg32(scale(2 * ch)), low16),
-                                                  builder.shl(neg32(scale(2 * ch + 1)), ir.Constant(V16I, [16] * 16))), V32H)
-                first = []
-                for t in range(n_tok):
-                    s0 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(2 * ch)), I32)
-                    s1 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(2 * ch + 1)), I32)
-                    pair = builder.or_(builder.and_(builder.ashr(s0, ir.Constant(I32, 5)), ir.Constant(I32, 0xFFFF)),
-                                       builder.shl(builder.ashr(s1, ir.Constant(I32, 5)), ir.Constant(I32, 16)))
-                    first.append(builder.call(dpwssd, [zero, sab, builder.bitcast(_splat(builder, pair, V16I), V32H)]))
-                lanes = [first, [zero] * n_tok]     # by half: shorter vpdpwssd chains
-                for h in range(2):
-                    lane = lanes[h]
+
+                def offset(ch):
+                    # lane = -32 (sa Sa + sb Sb) for the x-sums Sa, Sb of sub-blocks 2ch, 2ch + 1
+                    # (isum holds 32 Sa; |Sa| <= 2048) and their scales sa, sb, as one vpdpwssd
+                    # over the word pairs (-32 sa, -32 sb) and (Sa, Sb)
+                    sab = builder.bitcast(builder.or_(builder.and_(neg32(scale(2 * ch)), low16),
+                                                      builder.shl(neg32(scale(2 * ch + 1)), ir.Constant(V16I, [16] * 16))), V32H)
+                    lane = []
+                    for t in range(n_tok):
+                        s0 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(2 * ch)), I32)
+                        s1 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(2 * ch + 1)), I32)
+                        pair = builder.or_(builder.and_(builder.ashr(s0, ir.Constant(I32, 5)), ir.Constant(I32, 0xFFFF)),
+                                           builder.shl(builder.ashr(s1, ir.Constant(I32, 5)), ir.Constant(I32, 16)))
+                        lane.append(builder.call(dpwssd, [zero, sab, builder.bitcast(_splat(builder, pair, V16I), V32H)]))
+                    return lane
+
+                def quad(lane, h, ch):
                     for s_, w in q6_values(o, h, ch):
                         # a dot of four values fits an int16 (|4 * 63 * 128| < 2^15), so the
                         # scale's multiply and the lane's add are one vpdpwssd against the
@@ -402,12 +404,33 @@ def _rows16(kind, n_tok, batch=False):
                             xo = builder.add(x0, c(128 * h + 32 * s_ + 4 * ch))
                             dot = builder.bitcast(builder.call(dpbusd, [zero, w, xword(t, xo)]), V32H)
                             lane[t] = builder.call(dpwssd, [lane[t], dot, sc])
-                lane = [builder.add(a, b_) for a, b_ in zip(*lanes)]
-                d = halves16(builder.add(o, c(3328)))
-                for t in range(n_tok):
-                    dd = builder.fmul(_splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F), d)
-                    a = acc[t][ch]
-                    builder.store(builder.call(fma, [dd, builder.sitofp(lane[t], V16F), builder.load(a)]), a)
+
+                def finish(ch, lane):
+                    d = halves16(builder.add(o, c(3328)))
+                    for t in range(n_tok):
+                        dd = builder.fmul(_splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F), d)
+                        a = acc[t][ch]
+                        builder.store(builder.call(fma, [dd, builder.sitofp(lane[t], V16F), builder.load(a)]), a)
+
+                # integer sums: their order is free (the bits are the same)
+                if n_tok == 1:
+                    # the quads in the layout's order, one ascending stream that the hardware
+                    # prefetcher follows (lane by lane, the two halves' reads alternated): the
+                    # eight lanes are independent chains across the block
+                    lanes = [offset(ch) for ch in range(8)]
+                    for h in range(2):
+                        for ch in range(8):
+                            quad(lanes[ch], h, ch)
+                    for ch in range(8):
+                        finish(ch, lanes[ch])
+                else:
+                    # lane by lane, a chain per half: four tokens' eight lanes would not fit the
+                    # registers across the block
+                    for ch in range(8):
+                        halves = [offset(ch), [zero] * n_tok]
+                        for h in range(2):
+                            quad(halves[h], h, ch)
+                        finish(ch, [builder.add(a, b_) for a, b_ in zip(*halves)])
 
             def fence():
                 builder.asm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", [], True)
@@ -457,8 +480,7 @@ def _rows16(kind, n_tok, batch=False):
                         a = acc[t][0]
                         builder.store(builder.call(fma, [builder.fmul(builder.sitofp(ia[t], V16F), d), dx, builder.load(a)]), a)
                 elif kind == Q6_K:
-                    for ch in range(8):
-                        q6_lane(b, o, ch)
+                    q6_block(b, o)
                 elif kind == Q4_K:
                     # llama.cpp's q4_K 8x8 kernels: two chains, the scales' (d_w d_x times the
                     # scaled dots) and the mins' (dmin_w d_x times sum_j m_j * (x-sum of
