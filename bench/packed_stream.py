@@ -1,6 +1,6 @@
 """GB/s of the repacked one-token kernels (quant.packed) on one matrix of each kind, 1 and 2
-threads: with many rows the matrix streams from memory (decode's case), with few it stays in
-cache (the kernel's compute). Random weights with finite scales (bench/kernels.py's); GB/s
+threads: with many rows the matrix streams from memory (decode's case; copies of it, 256 MB
+in all, taken in turn), with few it stays in cache (the kernel's compute). Random weights with finite scales (bench/kernels.py's); GB/s
 of weight bytes, median of REPS calls. Compare with bench/kernels.py's read bandwidth.
 
     python bench/packed_stream.py Q4_K,Q6_K,Q8_0 [--rows 65536] [--reps 30]
@@ -36,13 +36,19 @@ def main() -> None:
         xq, xd, isum, nb = P._quantized(p, rng.standard_normal((1, a.cols)).astype(np.float32), 1)
         y = np.zeros((1, a.rows), np.float32)
         mm = P._matmul(p.kind)
+        # a matrix larger than the caches is cycled through copies making 256 MB, so that no
+        # part of it is still in L3 from the call before (a victim L3 keeps some of a
+        # stream that overflows it by less than a few times)
+        big = p.data.nbytes > (8 << 20)
+        datas = [p.data] + [p.data.copy() for _ in range(-(-(256 << 20) // p.data.nbytes) - 1 if big else 0)]
         for threads in (1, 2):
             numba.set_num_threads(threads)
             mm(p.data, nb, xq, xd, isum, y, 0)
             ts = []
-            for _ in range(a.reps):
+            for i in range(a.reps):
+                d = datas[i % len(datas)]
                 t0 = time.perf_counter()
-                mm(p.data, nb, xq, xd, isum, y, 0)
+                mm(d, nb, xq, xd, isum, y, 0)
                 ts.append(time.perf_counter() - t0)
             print(f"{name} {threads} thread(s): {p.data.nbytes / np.median(ts) / 1e9:.1f} GB/s "
                   f"({p.data.nbytes / 1e6:.0f} MB)", flush=True)

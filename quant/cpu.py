@@ -65,10 +65,11 @@ KINDS = (
     # the memory's rate either way; four tokens (speculative checks) 4 KB ahead into L2:
     # 95.7 -> 60.8 ms (8 KB into L2: 71.6; medians of 5 alternating runs) (session 27).
     # Session 31: one token without software prefetch at all, the hardware prefetcher alone
-    # (Q6_K's one-token kernel now reads its block in ascending order), from memory, 1 / 2
-    # threads (bench/packed_stream.py, alternating): Q4_K 21.6 -> 35, 43 -> 50-61 GB/s; Q4_0
-    # 33 -> 40, 43 -> 60; Q5_0 16 -> 31, 32 -> 47-52; Q6_K 20 -> 26-32, 34 -> 34-43; Q8_0
-    # 25 -> 23, 37 -> 33 (it keeps its prefetch); four tokens without: 43.8 -> 54.8 ms
+    # (Q6_K's one-token kernel now reads its block in ascending order): the 1.5b's decode step
+    # 36.8 -> 27.9 ms (medians of 5 alternating processes); from memory on one thread
+    # (bench/packed_stream.py, alternating) Q4_K 21 -> 24-30 GB/s, Q6_K 17-18 -> 24-26, Q4_0
+    # the same, Q5_0 no worse; Q8_0 slower without in a one-matrix measure (37 -> 33 GB/s on
+    # two threads): it keeps its prefetch. Four tokens without: their matrices 43.8 -> 54.8 ms (kept)
     Kind("avx512-vnni-zen4", ("avx512f", "avx512bw", "avx512vnni"), "AMD EPYC Zen 4 (znver4, 2026-12-05), 2 cores",
          cpus=("znver4",), **{**AVX512_VNNI, "prefetch": {("Q8_0", 1): (2048, 2), 4: (4096, 2)}}),
     Kind("avx512-vnni", ("avx512f", "avx512bw", "avx512vnni"),
