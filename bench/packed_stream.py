@@ -1,7 +1,8 @@
 """GB/s of the repacked one-token kernels (quant.packed) on one matrix of each kind, 1 and 2
 threads: with many rows the matrix streams from memory (decode's case; copies of it, 256 MB
-in all, taken in turn), with few it stays in cache (the kernel's compute). Random weights with finite scales (bench/kernels.py's); GB/s
-of weight bytes, median of REPS calls. Compare with bench/kernels.py's read bandwidth.
+in all, taken in turn), with few it stays in cache (the kernel's compute). Random weights
+with finite scales (bench/kernels.py's); GB/s of weight bytes, median of REPS calls. Compare
+with bench/kernels.py's read bandwidth.
 
     python bench/packed_stream.py Q4_K,Q6_K,Q8_0 [--rows 65536] [--reps 30]
 """
