@@ -216,9 +216,10 @@ def command_line() -> str:
 
 
 def write_section(table: str, note: str, path: Path) -> None:
-    """Replace the "## Kernels" section of BENCHMARKS.md (other sections stay)."""
+    """Replace the "### Kernels" section of BENCHMARKS.md, up to the next heading of its level
+    or above (other sections stay)."""
     section = "\n".join([
-        "## Kernels",
+        "### Kernels",
         "",
         f"Machine: {cpu_name()}. Date: {datetime.date.today().isoformat()}. "
         f"numba {numba.__version__}, numpy {np.__version__}.",
@@ -232,7 +233,7 @@ def write_section(table: str, note: str, path: Path) -> None:
         "",
     ])
     text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    m = re.search(r"^## Kernels\n.*?(?=^## |\Z)", text, flags=re.S | re.M)
+    m = re.search(r"^### Kernels\n.*?(?=^#{1,3} |\Z)", text, flags=re.S | re.M)
     text = text[:m.start()] + section + "\n" + text[m.end():] if m else text.rstrip("\n") + "\n\n" + section
     path.write_text(text.rstrip("\n") + "\n")
 
