@@ -97,10 +97,20 @@ class LayerCache:
     def __init__(self, n_kv: int, cap: int, head_dim: int, window: int, types=("f16", "f16"), arrays=_kv_arrays):
         size = -(-cap // PAGE) * PAGE           # the extra slots stay empty
         self.k, self.v = arrays(n_kv, head_dim, size // PAGE, types)
-        self.pos = np.full(size, -1, np.int64)
         self.table = np.arange(size // PAGE, dtype=np.int64)[None]    # its own pages, in order
         self.window = window
         self.cap = cap
+        self.pos = None                         # its _Slots' (KVCache)
+
+
+class _Slots:
+    """The slots' bookkeeping of the layers of one capacity and window, which every claim and
+    rollback changes alike: shared, so that a decode step's claim costs one update per kind of
+    layer, not one per layer (24 layers: 38 -> 9 us with hot caches, ~3x that inside a step)."""
+
+    def __init__(self, cap: int, window: int):
+        self.cap, self.window = cap, window
+        self.pos = np.full(-(-cap // PAGE) * PAGE, -1, np.int64)   # the position each slot holds
         self.hi = 0                             # slots [0, hi) have been written
 
 
@@ -112,8 +122,12 @@ class KVCache:
         # arrays(n_kv, head_dim, n_pages, types) -> (K, V): the backend's storage (numpy here,
         # mx arrays for MLX); this class only keeps the slots' bookkeeping
         self.n_ctx, self.n_keep = n_ctx, n_keep
-        self.layers = [LayerCache(n_kv, cap, head_dim, w, types, arrays)
-                       for cap, w in zip(self.caps(n_ctx, windows, chunk), windows)]
+        caps = self.caps(n_ctx, windows, chunk)
+        self.layers = [LayerCache(n_kv, cap, head_dim, w, types, arrays) for cap, w in zip(caps, windows)]
+        self.groups = {key: _Slots(*key) for key in dict.fromkeys(zip(caps, windows))}
+        self._group = [self.groups[key] for key in zip(caps, windows)]
+        for lc, g in zip(self.layers, self._group):
+            lc.pos = g.pos
         self.n_past = 0          # tokens processed so far = the next absolute position
         self.dropped = False     # context overflowed at least once
 
@@ -125,7 +139,7 @@ class KVCache:
     @property
     def capacity(self) -> int:
         """The most logical slots a layer has (attention's scratch is sized by it)."""
-        return max(lc.pos.shape[0] for lc in self.layers)
+        return max(g.pos.shape[0] for g in self.groups.values())
 
     def slots(self, positions: np.ndarray, cap: int, window: int) -> np.ndarray:
         if window:
@@ -137,18 +151,16 @@ class KVCache:
         """Claim slots for the next n positions in every layer; returns the positions and what
         each layer's forward reads and writes."""
         positions = np.arange(self.n_past, self.n_past + n)
-        out, known = [], {}     # layers of one capacity and window share their slots: computed once
-        for lc in self.layers:
-            key = (lc.cap, lc.window)
-            if key not in known:
-                s = self.slots(positions, lc.cap, lc.window)
-                known[key] = s, int(s.max()) + 1
-            s, hi = known[key]
-            if not lc.window and positions[-1] >= lc.cap:
+        views = {}
+        for g in self.groups.values():
+            s = self.slots(positions, g.cap, g.window)
+            if not g.window and self.n_past + n > g.cap:
                 self.dropped = True
-            lc.pos[s] = positions
-            lc.hi = max(lc.hi, hi)
-            out.append(LayerKV(lc.k, lc.v, lc.pos, s, lc.table, np.array([lc.hi], np.int64), lc.window))
+            g.pos[s] = positions
+            g.hi = max(g.hi, int(s.max()) + 1)
+            views[g] = s, np.array([g.hi], np.int64)
+        out = [LayerKV(lc.k, lc.v, g.pos, views[g][0], lc.table, views[g][1], lc.window)
+               for lc, g in zip(self.layers, self._group)]
         self.n_past += n
         return positions, out
 
@@ -156,14 +168,14 @@ class KVCache:
         """Forget the last k positions (rejected speculative tokens). Slots they overwrote in a
         full ring are not restored: those keys were past the window or the oldest context."""
         k = min(k, self.n_past)
-        for lc in self.layers:
-            lc.pos[lc.pos >= self.n_past - k] = -1
+        for g in self.groups.values():
+            g.pos[g.pos >= self.n_past - k] = -1
         self.n_past -= k
 
     def reset(self) -> None:
-        for lc in self.layers:
-            lc.pos[:] = -1
-            lc.hi = 0
+        for g in self.groups.values():
+            g.pos[:] = -1
+            g.hi = 0
         self.n_past = 0
         self.dropped = False
 
