@@ -76,6 +76,7 @@ class Packed:
         self.type_id, self.data, self.rows, self.cols = int(type_id), data, rows, cols
         self.kind = KINDS[type_id]
         self.shape = (rows, cols)       # what callers check of a weight
+        self.one = None                 # decode's calls, bound once (matmul_rows)
 
 
 def enabled() -> bool:
@@ -720,6 +721,14 @@ def _quantized(p: Packed, X: np.ndarray, m: int):
     """X (T, cols) as the kernels read it, padded with zero rows to m >= T: views of m rows
     of xq, xd and the sums (see _quantize_k; Q5_0/Q8_0: -offset times the sums per 4, Q4_0
     the sums per 32), and the blocks per row. The buffers grow to the largest m asked for, once."""
+    quantize, args, v = _buffers(p, m)
+    quantize(X, *args)
+    return v
+
+
+def _buffers(p: Packed, m: int):
+    """The quantizer of p's kind, its arguments after X (m rows into the buffers) and the
+    views _quantized returns."""
     key = (p.kind, p.cols)
     b = _bufs.get(key)
     c, k = p.cols, p.kind in (Q4_K, Q6_K)
@@ -733,14 +742,12 @@ def _quantized(p: Packed, X: np.ndarray, m: int):
                  z(c // 4, np.int32), {})
         _bufs[key] = b
     xq, xd, s1, s2, sums, views = b
-    if k:
-        _quantize_k(X, p.kind == Q4_K, m, xq, xd, s1, s2, sums)
-    else:
-        _quantize_0(X, m, xq, xd, s1, s2, sums, 0 if p.kind == Q4_0 else LAYOUT[p.kind][2])
     v = views.get(m)
     if v is None:
         v = views[m] = (xq[:m], xd[:m], sums[:m], c // (256 if k else 32))
-    return v
+    if k:
+        return _quantize_k, (p.kind == Q4_K, m, xq, xd, s1, s2, sums), v
+    return _quantize_0, (m, xq, xd, s1, s2, sums, 0 if p.kind == Q4_0 else LAYOUT[p.kind][2]), v
 
 
 _ybuf: dict[int, np.ndarray] = {}
@@ -767,6 +774,16 @@ def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True, rou
     if X.shape[1] != p.cols:
         raise ValueError(f"{T(p.type_id).name}: {p.cols} inputs expected, got {X.shape[1]}")
     n = X.shape[0]
+    if n == 1 and rounded is None and Y.flags.c_contiguous:
+        # decode, ~100 calls a token: the same two kernels with their arguments bound once
+        # (this function's other steps cost 2-3 us a call with hot caches, 2-3x that in a step)
+        if p.one is None:
+            quantize, args, (xq, xd, isum, nb) = _buffers(p, 1)
+            p.one = quantize, args, (_kernel(p.kind).address, p.data, nb, xq, xd, isum)
+        quantize, args, (fn, data, nb, xq, xd, isum) = p.one
+        quantize(X, *args)
+        _run(fn, threads(), data, nb, xq, xd, isum, Y, 0)
+        return
     m = n if n == 1 else -(-n // 4) * 4
     key = ("packed", p.kind)
     xq, xd, isum, nb = rounded[key] if rounded is not None and key in rounded else _quantized(p, X, m)
