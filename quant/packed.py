@@ -4,9 +4,9 @@ In the file each row is a run of blocks, so a kernel that walks rows must unpack
 each block on its own (Q4_0/Q5_0 25-28 GB/s here, compute-bound). Repacked, 16 rows share
 each block's bytes the way quant.gemm8's panels do: byte 4i + j of a 64-byte chunk belongs
 to row i, so one vpdpbusd with 4 broadcast activation bytes advances 16 rows, and the 16
-scales of a block are one vector. Measured (Kernels in BENCHMARKS.md): Q4_0 147 GB/s in L3,
-86 on a DRAM-sized matrix, against 27-28 for the row kernel. The kernels take 1, 4 or 8
-tokens, reading and unpacking each group once for them.
+scales of a block are one vector. Measured (Kernels in BENCHMARKS.md, 2 threads): Q4_0 92.5
+GB/s on a matrix in L3, 55.7 on one from memory, against 28 for the row kernel. The kernels
+take 1, 4 or 8 tokens, reading and unpacking each group once for them.
 
 They sum the same integers as the row kernels, and add them into float32 in the order of
 the kernel llama.cpp runs for the type and batch size (tests/llama_orders.py; the README

@@ -299,6 +299,11 @@ class NumbaCPU:
         return out
 
     def qkv(self, st: _State, L: Layer, h: np.ndarray):
+        if st.n == 1 and L.qkv is not None:     # decode: q, k and v are the fused output's parts
+            qkv = self.qkv_buf[:1]              # (one row: each part a contiguous view, no copies)
+            L.qkv(h, qkv, batch=False)
+            nq, nk = self.q.shape[1], self.k.shape[1]
+            return qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
         q, k, v = self.q[:st.n], self.k[:st.n], self.v[:st.n]
         for a, e, bt, *_ in st.segs:
             self._qkv(L, h[a:e], q[a:e], k[a:e], v[a:e], bt)
