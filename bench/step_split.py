@@ -57,6 +57,15 @@ def _wrap_kernels(K, wrap) -> None:
     K.flash_attention = lambda *a: wrap(fa(*a), "flash_attention")
 
 
+def _rebind(be) -> None:
+    """Forget the quantizers that packed matrices bound for decode (Packed.one), so that their
+    next calls take the module's functions as replaced here."""
+    from quant import packed as P
+    for W in [be.output, *(w for L in be.layers for w in vars(L).values())]:
+        if isinstance(getattr(W, "raw", None), P.Packed):
+            W.raw.one = None
+
+
 def ops(m, n: int) -> None:
     from quant import packed as P
     from runner.backends import kernels as K
@@ -145,6 +154,7 @@ def calls(m, n: int) -> None:
     _wrap_kernels(K, timed)
     for name in ("_run", "_quantize_0", "_quantize_k"):
         setattr(P, name, timed(getattr(P, name), name))
+    _rebind(be)
     q = quant.qtype(be.embd.type_id)
     object.__setattr__(q, "dequant_rows", timed(q.dequant_rows, "embedding"))
     sampler.next = timed(sampler.next, "sampler")
@@ -183,6 +193,7 @@ def python_alone(m, n: int) -> None:
     noop = lambda *a, **k: None     # noqa: E731
     _wrap_kernels(K, lambda f, name: noop)
     P._run = P._quantize_0 = P._quantize_k = noop
+    _rebind(be)
     q = quant.qtype(be.embd.type_id)
     object.__setattr__(q, "dequant_rows", noop)
     print(f"decode step {real:.2f} ms; its Python alone (every compiled call a no-op) {step_ms():.3f} ms "
