@@ -93,16 +93,6 @@ def _kv_arrays(n_kv: int, head_dim: int, n_pages: int, types: tuple[str, str] = 
     return k, v
 
 
-class LayerCache:
-    def __init__(self, n_kv: int, cap: int, head_dim: int, window: int, types=("f16", "f16"), arrays=_kv_arrays):
-        size = -(-cap // PAGE) * PAGE           # the extra slots stay empty
-        self.k, self.v = arrays(n_kv, head_dim, size // PAGE, types)
-        self.table = np.arange(size // PAGE, dtype=np.int64)[None]    # its own pages, in order
-        self.window = window
-        self.cap = cap
-        self.pos = None                         # its _Slots' (KVCache)
-
-
 class _Slots:
     """The slots' bookkeeping of the layers of one capacity and window, which every claim and
     rollback changes alike: shared, so that a decode step's claim costs one update per kind of
@@ -111,7 +101,15 @@ class _Slots:
     def __init__(self, cap: int, window: int):
         self.cap, self.window = cap, window
         self.pos = np.full(-(-cap // PAGE) * PAGE, -1, np.int64)   # the position each slot holds
+        self.table = np.arange(len(self.pos) // PAGE, dtype=np.int64)[None]   # each layer's pages, in order
         self.hi = 0                             # slots [0, hi) have been written
+
+
+class LayerCache:
+    def __init__(self, n_kv: int, head_dim: int, slots: _Slots, types=("f16", "f16"), arrays=_kv_arrays):
+        self.slots = slots                      # shared with the layers of its capacity and window
+        self.pos, self.table, self.cap, self.window = slots.pos, slots.table, slots.cap, slots.window
+        self.k, self.v = arrays(n_kv, head_dim, len(slots.pos) // PAGE, types)   # the extra slots stay empty
 
 
 class KVCache:
@@ -122,12 +120,9 @@ class KVCache:
         # arrays(n_kv, head_dim, n_pages, types) -> (K, V): the backend's storage (numpy here,
         # mx arrays for MLX); this class only keeps the slots' bookkeeping
         self.n_ctx, self.n_keep = n_ctx, n_keep
-        caps = self.caps(n_ctx, windows, chunk)
-        self.layers = [LayerCache(n_kv, cap, head_dim, w, types, arrays) for cap, w in zip(caps, windows)]
-        self.groups = {key: _Slots(*key) for key in dict.fromkeys(zip(caps, windows))}
-        self._group = [self.groups[key] for key in zip(caps, windows)]
-        for lc, g in zip(self.layers, self._group):
-            lc.pos = g.pos
+        keys = list(zip(self.caps(n_ctx, windows, chunk), windows))
+        self.groups = {key: _Slots(*key) for key in dict.fromkeys(keys)}
+        self.layers = [LayerCache(n_kv, head_dim, self.groups[key], types, arrays) for key in keys]
         self.n_past = 0          # tokens processed so far = the next absolute position
         self.dropped = False     # context overflowed at least once
 
@@ -158,9 +153,8 @@ class KVCache:
                 self.dropped = True
             g.pos[s] = positions
             g.hi = max(g.hi, int(s.max()) + 1)
-            views[g] = s, np.array([g.hi], np.int64)
-        out = [LayerKV(lc.k, lc.v, g.pos, views[g][0], lc.table, views[g][1], lc.window)
-               for lc, g in zip(self.layers, self._group)]
+            views[g] = s, g.table, np.array([g.hi], np.int64)
+        out = [LayerKV(lc.k, lc.v, lc.pos, *views[lc.slots], lc.window) for lc in self.layers]
         self.n_past += n
         return positions, out
 
