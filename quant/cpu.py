@@ -18,8 +18,10 @@ A weight of n_out rows times n tokens (see ``linear``):
 """
 from __future__ import annotations
 
+import ctypes
 import os
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass, field, replace
 
 import llvmlite.binding as llvm
 from gguf_io.types import GGMLQuantizationType as T
@@ -44,6 +46,7 @@ class Kind:
                                         # ((type name, tokens) first, then tokens); (bytes, level):
                                         # LLVM's locality, 3 (into L1, the default) to 0
     cpus: tuple[str, ...] = ()          # LLVM CPU names the row is for (empty: any with the needs)
+    amx: frozenset = frozenset()        # repacked types whose batches take AMX int8 tiles (quant.amx)
 
 
 AVX512_VNNI = dict(vnni=True, repack=REPACKABLE, gemm8=LEGACY | K_QUANTS, batch_step=8,
@@ -55,9 +58,13 @@ AVX512_VNNI = dict(vnni=True, repack=REPACKABLE, gemm8=LEGACY | K_QUANTS, batch_
 
 # First match wins: the most specific kind first.
 KINDS = (
-    # Intel Xeon (Sapphire Rapids and later): AMX tiles are there, no AMX kernel yet (issue 19)
+    # Intel Xeon (Sapphire Rapids and later): Q4_0's prompts through int8 tiles, the same bits
+    # (quant.amx); one thread, a prompt's 512 tokens, the tiles against the VNNI kernel: the
+    # 0.5b's shapes 4864x896 1.07-1.20x, 896x4864 1.72x, 896x896 1.39x (bench/amx_tile.py,
+    # Emerald Rapids, session 33). The other kinds' float steps start from 4-value lanes or
+    # scaled sub-blocks, not a block's whole dot
     Kind("avx512-amx", ("avx512f", "avx512bw", "avx512vnni", "amx-int8", "amx-tile"),
-         "Intel Xeon with AMX, 2 cores (2026-12-01)", **AVX512_VNNI),
+         "Intel Xeon with AMX, Emerald Rapids (2026-12-05), 2 cores", **AVX512_VNNI, amx=frozenset({T.Q4_0})),
     # Zen 4: Q6_K's one-token kernel waited on memory with its prefetches into L1 (7-13 GB/s
     # on 2 threads against Q4_K's 34); into L2 (locality 2 or 1) 19-25 GB/s (session 26); the
     # other kinds' one token into L2 too: the 1.5b's matrices in a token's order 39.1 -> 35.6
@@ -85,8 +92,21 @@ def pick(features: dict, name: str = "") -> Kind:
     return next(k for k in KINDS if all(features.get(f, False) for f in k.needs) and (not k.cpus or name in k.cpus))
 
 
+def grant_tiles() -> bool:
+    """Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA):
+    a process that has not is killed (SIGILL) by its first tile instruction."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 CPU_NAME = llvm.get_host_cpu_name()     # LLVM's name for the host (znver5, sapphirerapids, ...)
 KIND = pick(llvm.get_host_cpu_features(), CPU_NAME)
+if KIND.amx and (os.environ.get("NUMBAT_AMX", "1") == "0" or not grant_tiles()):
+    KIND = replace(KIND, amx=frozenset())
 
 
 def repacking() -> bool:

@@ -56,7 +56,7 @@ from quant.act import quantize_q8_0
 from quant.kquants import ROWS, _byte, _k4_scales, quantize_x
 from quant.gemm8 import I8, I32, F32, V64B, V16I, V16F, _ptr, _splat
 from quant.intrin import c_array, call_c, fetch_add
-from quant import cpu
+from quant import amx, cpu
 from quant.common import threads
 
 I1 = ir.IntType(1)
@@ -625,8 +625,9 @@ PLAN = plan(cpu.KIND)
 
 def _kernel(kind: int):
     """The compiled kernel of one kind for a run of groups of 16 rows and all T tokens of xq: the
-    first nbatch (a multiple of the kind's BATCH_STEP) by the batch kernels, the rest four at
-    a time, then one, by decode's. A C function of its own (numba's cfunc, cached), called
+    first nbatch (a multiple of the kind's BATCH_STEP) by the batch kernels (Q4_0 on a CPU
+    row with AMX: their multiple of 16 through tiles, quant.amx), the rest four at a time,
+    then one, by decode's. A C function of its own (numba's cfunc, cached), called
     through its address (quant.intrin.call_c) by the one parallel loop (_run): numba links a
     jit callee's code into every caller and optimizes and compiles it again there (a prange
     body four times over: gufunc, two wrappers, the caller), which was most of a kind's
@@ -635,6 +636,8 @@ def _kernel(kind: int):
     the bits it gets alone."""
     if kind not in _kernels:
         step, row_plan = LSTEP if kind <= Q8_0 else 4, PLAN
+        tiled = kind == Q4_0 and T.Q4_0 in cpu.KIND.amx
+        tiles = amx.q4_0 if tiled else _no_tiles
 
         def group(pk_, npk, row_bytes, g0, g1, nb, xq_, nxq, T, xd_, nxd, is_, nis, y_, ny, nbatch):
             if row_plan < 0:        # never: in the closure for the cache's key (see PLAN)
@@ -643,8 +646,11 @@ def _kernel(kind: int):
             xq, xd = numba.carray(xq_, (T, nxq // T)), numba.carray(xd_, (T, nxd // T))
             isum, y = numba.carray(is_, (T, nis // T)), numba.carray(y_, (T, ny // T))
             T4 = T // 4 * 4
+            ntile = nbatch // amx.TOKENS * amx.TOKENS if tiled else 0
+            if ntile:       # a batch's multiple of 16 through AMX tiles, the same bits
+                tiles(pk, g0, g1, nb, xq, xd, y, ntile)
             for g in range(g0, g1):
-                for t0 in range(0, nbatch, step):
+                for t0 in range(ntile, nbatch, step):
                     _groupb(kind, pk, g, nb, xq, xd, isum, y, t0)
                 for t0 in range(nbatch, T4, 4):
                     _group4(kind, pk, g, nb, xq, xd, isum, y, t0)
@@ -652,6 +658,11 @@ def _kernel(kind: int):
                     _group1(kind, pk, g, nb, xq, xd, isum, y, t0)
         _kernels[kind] = numba.cfunc(_GROUP_SIG, cache=True)(group)
     return _kernels[kind]
+
+
+@njit
+def _no_tiles(pk, g0, g1, nb, xq, xd, y, n):
+    """quant.amx.q4_0's place in the kinds and CPU rows without tiles (never called)."""
 
 
 @njit(parallel=True, cache=True)

@@ -255,6 +255,38 @@ def test_packed_sums_in_llamas_order(type_id):
 
 
 @pytest.mark.skipif(not packed.enabled(), reason="repacking needs AVX512-VNNI (and NUMBAT_REPACK unset)")
+def test_packed_q4_0_prompt_in_llamas_order():
+    """A prompt's Q4_0 batch of 40 tokens, bit for bit against llama.cpp's float steps: on a
+    CPU row with AMX its first 32 tokens go through int8 tiles (quant.amx; 9 blocks: the
+    tile kernel's pairs of blocks and its last one alone), the last 8 through the VNNI batch
+    kernel."""
+    import llama_orders
+    rng = np.random.default_rng(11)
+    raw = random_blocks(T.Q4_0, 48, 9, rng)
+    p = packed.pack(T.Q4_0, raw)
+    X = (rng.standard_normal((40, p.cols)) * rng.uniform(0.1, 10, (40, 1))).astype(np.float32)
+    Y = np.full((40, 48), np.nan, np.float32)
+    packed.matmul_rows(p, X, Y)
+    np.testing.assert_array_equal(Y, llama_orders.matmul(T.Q4_0, raw, X))
+
+
+@pytest.mark.skipif(not quant.cpu.KIND.amx, reason="no AMX int8 tiles on this CPU (or Linux refused them)")
+def test_amx_tiles_give_llamas_bits():
+    """The tile kernel alone (quant.amx.q4_0, not the VNNI kernel beside it) on 32 tokens and
+    two groups: the same bits as llama.cpp's float steps."""
+    import llama_orders
+    from quant import amx
+    rng = np.random.default_rng(12)
+    raw = random_blocks(T.Q4_0, 32, 4, rng)
+    p = packed.pack(T.Q4_0, raw)
+    X = (rng.standard_normal((32, p.cols)) * rng.uniform(0.1, 10, (32, 1))).astype(np.float32)
+    xq, xd, _, nb = packed._quantized(p, X, 32)
+    Y = np.full((32, 32), np.nan, np.float32)
+    amx.q4_0(p.data, 0, 2, nb, xq, xd, Y, 32)
+    np.testing.assert_array_equal(Y, llama_orders.matmul(T.Q4_0, raw, X))
+
+
+@pytest.mark.skipif(not packed.enabled(), reason="repacking needs AVX512-VNNI (and NUMBAT_REPACK unset)")
 @pytest.mark.parametrize("type_id", [T.Q8_0, T.Q4_K], ids=lambda t: T(t).name)
 def test_packed_rows_do_not_depend_on_how_threads_share_them(type_id):
     """The threads take runs of groups in turn (quant.packed._run): every row is written

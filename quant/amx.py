@@ -1,0 +1,146 @@
+"""Intel AMX int8 tiles for a prompt's Q4_0 matmuls (the CPU rows that list Q4_0 in
+quant.cpu's ``amx``; bench/amx_tile.py measures them).
+
+llama.cpp's Q4_0 kernels turn each block's whole integer dot into float32 and add it in one
+chain, acc = fma(dot, d_w * d_x, acc), block by block (tests/llama_orders.py). A tile
+multiply gives exactly those dots for 16 tokens x 16 rows at once: tile A holds 16 tokens'
+32 activation bytes of a block (Q8_0), tile B the block of a repacked group (quant.packed:
+byte 4i+j of a chunk is row i's value 4c+j, the tile's own layout for 16 columns), unpacked
+to signed values; tdpbssd sums each token-row pair's 32 products into an int32, and the
+float steps after it are the VNNI kernel's, so the bits are the same. The other kinds'
+float steps start from lanes of 4 values (Q8_0, Q5_0) or from several scaled sub-blocks,
+which a tile's whole sums do not give.
+
+The tile registers are not renamed: a load into a tile waits for the multiply reading it,
+so blocks alternate between two sets (C 0/1, A 2/3, B 4/5). Linux hands the tile state to
+a process that asks for it: quant.cpu asks once, at import, and drops the row's ``amx``
+types if refused.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+I8, I32, I64, F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+V16F, V16I, V16H = ir.VectorType(F32, 16), ir.VectorType(I32, 16), ir.VectorType(ir.HalfType(), 16)
+P8 = I8.as_pointer()
+TOKENS = 16         # a tile's tokens: a batch's first multiple of 16 goes through the tiles
+
+
+def _config() -> np.ndarray:
+    """ldtilecfg's 64 bytes: palette 1, then bytes a row and rows per tile: C 0/1 (16 tokens
+    x 16 int32), A 2/3 (16 tokens x 32 bytes), B 4/5 (8 rows of 4 values x 16 weight rows)."""
+    cfg = np.zeros(64, np.uint8)
+    cfg[0] = 1
+    for t, (rows, colsb) in {0: (16, 64), 1: (16, 64), 2: (16, 32), 3: (16, 32), 4: (8, 64), 5: (8, 64)}.items():
+        cfg[16 + 2 * t:18 + 2 * t] = np.array([colsb], np.uint16).view(np.uint8)
+        cfg[48 + t] = rows
+    return cfg
+
+
+CONFIG = _config()
+
+
+def _fn(builder, name, args):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), args), name)
+
+
+def _data(context, builder, ty, a, t=I8):
+    return builder.bitcast(context.make_array(ty)(context, builder, a).data, t.as_pointer())
+
+
+@intrinsic
+def _tiles_on(typingctx, cfg):
+    def codegen(context, builder, sig, args):
+        builder.call(_fn(builder, "llvm.x86.ldtilecfg", [P8]), [_data(context, builder, sig.args[0], args[0])])
+        return context.get_dummy_value()
+    return types.none(cfg), codegen
+
+
+@intrinsic
+def _tiles_off(typingctx):
+    def codegen(context, builder, sig, args):
+        builder.call(_fn(builder, "llvm.x86.tilerelease", []), [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@intrinsic
+def _q4_0_tile(typingctx, xq, xoff, ncol, wb, pk, pkoff, xd, xdoff, nbx, y, yoff, ldy, nb):
+    """y[yoff + t ldy + r] for 16 tokens t (xq's rows from xoff, ncol bytes apart; their
+    scales xd from xdoff, nbx apart) and a group's 16 rows r (its nb blocks unpacked in wb,
+    512 bytes each; its d at pk + pkoff + 288 b + 256)."""
+    def codegen(context, builder, sig, args):
+        axq, axoff, ancol, awb, apk, apkoff, axd, axdoff, anbx, ay, ayoff, aldy, anb = args
+        c, k8 = (lambda v: ir.Constant(I64, v)), (lambda v: ir.Constant(I8, v))
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F] * 3), "llvm.fma.v16f32")
+        pxq, pwb, ppk = (_data(context, builder, sig.args[i], args[i]) for i in (0, 3, 4))
+        pxd, py = _data(context, builder, sig.args[6], axd, F32), _data(context, builder, sig.args[9], ay, F32)
+        cbuf = cgutils.alloca_once(builder, ir.ArrayType(I32, 512))
+        cbuf.align = 64
+        cb8 = builder.bitcast(cbuf, P8)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(16)]
+        tz, tl = _fn(builder, "llvm.x86.tilezero", [I8]), _fn(builder, "llvm.x86.tileloadd64", [I8, P8, I64])
+        tdp, ts = _fn(builder, "llvm.x86.tdpbssd", [I8] * 3), _fn(builder, "llvm.x86.tilestored64", [I8, P8, I64])
+
+        def dots(b, s):         # block b's int32 dots through tile set s into cbuf's half s
+            builder.call(tz, [k8(s)])
+            builder.call(tl, [k8(2 + s), builder.gep(pxq, [builder.add(axoff, builder.mul(b, c(32)))]), ancol])
+            builder.call(tl, [k8(4 + s), builder.gep(pwb, [builder.mul(b, c(512))]), c(64)])
+            builder.call(tdp, [k8(s), k8(2 + s), k8(4 + s)])
+            builder.call(ts, [k8(s), builder.gep(cb8, [c(1024 * s)]), c(64)])
+
+        def floats(b, s):       # the VNNI kernel's steps: fma(float(dot), d_w * d_x, acc)
+            o = builder.add(apkoff, builder.add(builder.mul(b, c(288)), c(256)))
+            dw = builder.fpext(builder.load(builder.bitcast(builder.gep(ppk, [o]), V16H.as_pointer()), align=1), V16F)
+            for t in range(16):
+                dx = builder.load(builder.gep(pxd, [builder.add(axdoff, builder.add(builder.mul(c(t), anbx), b))]))
+                dd = builder.fmul(dw, _splat(builder, dx))
+                v = builder.load(builder.bitcast(builder.gep(cb8, [c(1024 * s + 64 * t)]), V16I.as_pointer()), align=64)
+                builder.store(builder.call(fma, [builder.sitofp(v, V16F), dd, builder.load(accs[t])]), accs[t])
+
+        half = builder.sdiv(anb, c(2))
+        with cgutils.for_range(builder, half) as loop:
+            b0 = builder.mul(loop.index, c(2))
+            dots(b0, 0)
+            dots(builder.add(b0, c(1)), 1)
+            floats(b0, 0)
+            floats(builder.add(b0, c(1)), 1)
+        with builder.if_then(builder.icmp_signed("!=", builder.mul(half, c(2)), anb)):
+            last = builder.sub(anb, c(1))
+            dots(last, 0)
+            floats(last, 0)
+        for t in range(16):
+            dst = builder.gep(py, [builder.add(ayoff, builder.mul(c(t), aldy))])
+            builder.store(builder.load(accs[t]), builder.bitcast(dst, V16F.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.none(xq, xoff, ncol, wb, pk, pkoff, xd, xdoff, nbx, y, yoff, ldy, nb), codegen
+
+
+def _splat(builder, x):
+    v = builder.insert_element(ir.Constant(V16F, ir.Undefined), x, ir.Constant(I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(V16F, ir.Undefined), ir.Constant(ir.VectorType(I32, 16), [0] * 16))
+
+
+@njit
+def q4_0(pk, g0, g1, nb, xq, xd, y, n):
+    """y[t, 16g:16g+16] for the first n tokens (a multiple of 16) of xq and the groups g0..g1
+    of a repacked Q4_0 weight pk (2-D: a row per group); xq (T, cols) int8, xd (T, nb)."""
+    _tiles_on(CONFIG)
+    wb = np.empty((nb, 8, 64), np.int8)
+    ncol, ldy = xq.shape[1], y.shape[1]
+    for g in range(g0, g1):
+        row = pk[g]
+        for b in range(nb):         # B's rows 0-3: chunks 0-3's low nibbles, 4-7 the high; less 8
+            for ch in range(4):
+                for k in range(64):
+                    q = row[288 * b + 64 * ch + k]
+                    wb[b, ch, k] = np.int8(q & 15) - np.int8(8)
+                    wb[b, 4 + ch, k] = np.int8(q >> 4) - np.int8(8)
+        for t in range(0, n, 16):
+            _q4_0_tile(xq.ravel(), t * ncol, ncol, wb.ravel(), pk.ravel(), g * pk.shape[1], xd.ravel(), t * xd.shape[1], xd.shape[1],
+                       y.ravel(), t * ldy + 16 * g, ldy, nb)
+    _tiles_off()
