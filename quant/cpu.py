@@ -10,7 +10,8 @@ integer sums of vpdpbusd are exact, so the VNNI and portable forms of a kernel a
 A weight of n_out rows times n tokens (see ``linear``):
   packed   Q4_0/Q5_0/Q8_0/Q4_K/Q6_K repacked at load into 16-row groups (quant.packed): one
            token, four at a time (speculative checks, short batches) or ``batch_step``
-           tokens per call for a prompt
+           tokens per call for a prompt; on a row with ``amx`` types, a prompt's 16 tokens
+           at a time through AMX int8 tiles (quant.amx)
   rows     up to 16 tokens with one token's steps each (quant.kquants' matvec_rows)
   matvec   one token at a time (every type's portable kernel)
   gemm8    a prompt through int8 panels unpacked on the fly (quant.gemm8)
@@ -59,10 +60,11 @@ AVX512_VNNI = dict(vnni=True, repack=REPACKABLE, gemm8=LEGACY | K_QUANTS, batch_
 # First match wins: the most specific kind first.
 KINDS = (
     # Intel Xeon (Sapphire Rapids and later): Q4_0's prompts through int8 tiles, the same bits
-    # (quant.amx); one thread, a prompt's 512 tokens, the tiles against the VNNI kernel: the
-    # 0.5b's shapes 4864x896 1.07-1.20x, 896x4864 1.72x, 896x896 1.39x (bench/amx_tile.py,
-    # Emerald Rapids, session 33). The other kinds' float steps start from 4-value lanes or
-    # scaled sub-blocks, not a block's whole dot
+    # (quant.amx); one thread, 512 tokens, the tiles against the VNNI batch kernel: 4864x896
+    # 1.94x, 896x4864 2.22x, 896x896 2.20x (bench/amx_tile.py); @Q4_0's pp512 1.48 -> 2.32x
+    # llama.cpp's (Emerald Rapids, session 33). The other kinds' float steps start from
+    # 4-value lanes or scaled sub-blocks, not a block's whole dot (Q4_K's gemm through tiles:
+    # 0.78-0.92x the VNNI kernel, not kept)
     Kind("avx512-amx", ("avx512f", "avx512bw", "avx512vnni", "amx-int8", "amx-tile"),
          "Intel Xeon with AMX, Emerald Rapids (2026-12-05), 2 cores", **AVX512_VNNI, amx=frozenset({T.Q4_0})),
     # Zen 4: Q6_K's one-token kernel waited on memory with its prefetches into L1 (7-13 GB/s
