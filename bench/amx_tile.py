@@ -5,13 +5,8 @@ AVX512-VNNI kernels. Needs a CPU with amx-int8/amx-tile (LLVM's host features) a
    chain and four independent), tileloadd and tilestored of 1 KB tiles from L1.
 2. A prompt's Q4_0 matmul (the 0.5b's ffn_up shape by default, 512 tokens), one thread:
    numbat's repacked VNNI batch kernel (quant.packed, llama.cpp's float order) against the
-   tile kernel (quant.amx), with the same float order: the activations (16 tokens x one block's 32 bytes) as
-   tile A, the weights' group-block unpacked to signed bytes as tile B (the repacked layout
-   is already the tile's: byte 4i+j of a chunk is row i's value 4c+j), one tdpbssd per
-   block for 16 tokens x 16 rows, stored and fma'd into float32 accumulators as the VNNI
-   kernel adds its block sums. Blocks alternate between two sets of tiles (the tile
-   registers are not renamed: a load into a tile waits for the multiply reading it).
-   The outputs are compared bit for bit.
+   tile kernel (quant.amx: its docstring has the tiles' layout and order), handed runs of 16
+   groups as quant.packed._run does; the outputs are compared bit for bit.
 
     python bench/amx_tile.py [--rows 4864] [--cols 896] [--tokens 512] [--reps 7]
 
@@ -44,7 +39,7 @@ from numba.extending import intrinsic  # noqa: E402
 
 from kernels import random_weights  # noqa: E402  (bench/kernels.py)
 from quant import amx, cpu, packed as P  # noqa: E402
-from quant.amx import P8, I8, I64, _data, _fn, _tiles_off as tilerelease, _tiles_on as tilecfg  # noqa: E402
+from quant.amx import P8, I8, I64, ZERO, _fn, _ptr, _tiles_off as tilerelease, _tiles_on as tilecfg  # noqa: E402
 
 
 def _ops(kind, tiles=()):
@@ -53,7 +48,7 @@ def _ops(kind, tiles=()):
     @intrinsic
     def f(typingctx, arr, n):
         def codegen(context, builder, sig, args):
-            base = _data(context, builder, sig.args[0], args[0])
+            base = _ptr(context, builder, sig.args[0], args[0], ZERO, I8)
             k8, c = (lambda v: ir.Constant(I8, v)), (lambda v: ir.Constant(I64, v))
             with cgutils.for_range(builder, args[1]):
                 for i, t in enumerate(tiles):

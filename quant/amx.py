@@ -24,11 +24,11 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from quant.gemm8 import I8, I32, F32, V16I, V16F, _ptr
 from quant.intrin import _splat
 
-I8, I32, I64, F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
-V16F, V16I, V16H = ir.VectorType(F32, 16), ir.VectorType(I32, 16), ir.VectorType(ir.HalfType(), 16)
-P8 = I8.as_pointer()
+I64, V16H = ir.IntType(64), ir.VectorType(ir.HalfType(), 16)
+P8, ZERO = I8.as_pointer(), ir.Constant(I64, 0)
 TOKENS = 16         # a tile's tokens: a batch's first multiple of 16 goes through the tiles
 
 
@@ -50,14 +50,10 @@ def _fn(builder, name, args):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), args), name)
 
 
-def _data(context, builder, ty, a, t=I8):
-    return builder.bitcast(context.make_array(ty)(context, builder, a).data, t.as_pointer())
-
-
 @intrinsic
 def _tiles_on(typingctx, cfg):
     def codegen(context, builder, sig, args):
-        builder.call(_fn(builder, "llvm.x86.ldtilecfg", [P8]), [_data(context, builder, sig.args[0], args[0])])
+        builder.call(_fn(builder, "llvm.x86.ldtilecfg", [P8]), [_ptr(context, builder, sig.args[0], args[0], ZERO, I8)])
         return context.get_dummy_value()
     return types.none(cfg), codegen
 
@@ -79,8 +75,8 @@ def _q4_0_tile(typingctx, xq, xoff, ncol, wb, pk, pkoff, xd, xdoff, nbx, y, yoff
         axq, axoff, ancol, awb, apk, apkoff, axd, axdoff, anbx, ay, ayoff, aldy, anb = args
         c, k8 = (lambda v: ir.Constant(I64, v)), (lambda v: ir.Constant(I8, v))
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F] * 3), "llvm.fma.v16f32")
-        pxq, pwb, ppk = (_data(context, builder, sig.args[i], args[i]) for i in (0, 3, 4))
-        pxd, py = _data(context, builder, sig.args[6], axd, F32), _data(context, builder, sig.args[9], ay, F32)
+        pxq, pwb, ppk = (_ptr(context, builder, sig.args[i], args[i], ZERO, I8) for i in (0, 3, 4))
+        pxd, py = _ptr(context, builder, sig.args[6], axd, ZERO, F32), _ptr(context, builder, sig.args[9], ay, ZERO, F32)
         cbuf = cgutils.alloca_once(builder, ir.ArrayType(I32, 1024))
         cbuf.align = 64
         cb8 = builder.bitcast(cbuf, P8)
