@@ -65,8 +65,14 @@ KINDS = (
     # llama.cpp's (Emerald Rapids, session 33). The other kinds' float steps start from
     # 4-value lanes or scaled sub-blocks, not a block's whole dot (Q4_K's gemm through tiles:
     # 0.78-0.92x the VNNI kernel, not kept)
+    # Prefetch into L2, 16 KB ahead, for one token and four (session 34, every packed matrix
+    # of a model in a forward's order, variants alternating in one process, medians of 13):
+    # the 1.5b's one token 60.8 -> 55.1 ms (2 KB into L1; 4 and 8 KB into L2 2-3% slower, 24
+    # and 32 KB 4-5% slower, 16 KB into L1 6% slower), four tokens 79.0 -> 73.6 ms (8 KB into
+    # L1); the 0.5b's one token 24.8 -> 22.2 ms, its draft (Q4_0) 16.3 -> 14.7
     Kind("avx512-amx", ("avx512f", "avx512bw", "avx512vnni", "amx-int8", "amx-tile"),
-         "Intel Xeon with AMX, Emerald Rapids (2026-12-05), 2 cores", **AVX512_VNNI, amx=frozenset({T.Q4_0})),
+         "Intel Xeon with AMX, Emerald Rapids (2026-12-05), 2 cores",
+         **{**AVX512_VNNI, "prefetch": {1: (16384, 2), 4: (16384, 2)}}, amx=frozenset({T.Q4_0})),
     # Zen 4: Q6_K's one-token kernel waited on memory with its prefetches into L1 (7-13 GB/s
     # on 2 threads against Q4_K's 34); into L2 (locality 2 or 1) 19-25 GB/s (session 26); the
     # other kinds' one token into L2 too: the 1.5b's matrices in a token's order 39.1 -> 35.6
