@@ -134,7 +134,7 @@ def matrices(m, tokens: int) -> None:
     print(f"| all | | {total * 1e3:.2f} | {sum(size.values()) / 1e6:.0f} | {sum(size.values()) / total / 1e9:.1f} |")
 
 
-def calls(m, n: int) -> None:
+def calls(m, n: int, tokens: int = 1) -> None:
     import quant
     from quant import packed as P
     from runner.backends import kernels as K
@@ -158,14 +158,19 @@ def calls(m, n: int) -> None:
     q = quant.qtype(be.embd.type_id)
     object.__setattr__(q, "dequant_rows", timed(q.dequant_rows, "embedding"))
     sampler.next = timed(sampler.next, "sampler")
+    def step(logits):
+        if tokens == 1:
+            return be.forward([sampler.next(logits)], cache)[-1]
+        # a speculative check's forward: the token and tokens - 1 guesses (here the same id)
+        return be.forward([sampler.next(logits)] * tokens, cache, logits="all", one_by_one=True)[-1]
     for _ in range(8):
-        logits = be.forward([sampler.next(logits)], cache)[-1]
+        logits = step(logits)
     spent.clear(), count.clear()
     t0 = time.perf_counter()
     for _ in range(n):
-        logits = be.forward([sampler.next(logits)], cache)[-1]
+        logits = step(logits)
     step = (time.perf_counter() - t0) / n
-    print(f"decode step {step * 1e3:.2f} ms ({n} steps from 5 tokens deep)\n\n| call | a step | ms a step | us a call |\n|---|---|---|---|")
+    print(f"{'decode step' if tokens == 1 else f'check of {tokens} tokens'} {step * 1e3:.2f} ms ({n} from 5 tokens deep)\n\n| call | a step | ms a step | us a call |\n|---|---|---|---|")
     for name in sorted(spent, key=lambda k: -spent[k]):
         print(f"| {name} | {count[name] / n:.0f} | {spent[name] / n * 1e3:.3f} | {spent[name] / count[name] * 1e6:.1f} |")
     print(f"| the rest | | {(step - sum(spent.values()) / n) * 1e3:.3f} | |")
@@ -207,11 +212,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--calls", action="store_true", help="every compiled call timed (3. above)")
     ap.add_argument("--python", action="store_true", help="the Python alone (4. above)")
+    ap.add_argument("--draft", action="store_true", help="loaded as a speculative draft (its wider matrices as Q4_0)")
     a = ap.parse_args()
     from runner.model import load
-    m = load(a.model)
+    m = load(a.model, draft=a.draft)
     if a.python or a.calls:
-        return (python_alone if a.python else calls)(m, a.n)
+        return python_alone(m, a.n) if a.python else calls(m, a.n, a.tokens)
     matrices(m, a.tokens)
     print()
     ops(m, a.n)
