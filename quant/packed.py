@@ -411,7 +411,9 @@ def _rows16(kind, n_tok, batch=False):
                         # the intrinsic into vpmaddwd + vpaddd to shorten the lane's chain,
                         # a third more instructions where the ports, not the chain, bound
                         # the kernel (Q6_K's four tokens from cache, one thread, Emerald
-                        # Rapids: 17.6 -> 19.5 GB/s with the asm, 12.1 -> 16.4 with either)
+                        # Rapids, variants alternating in one process: vpmaddubsw with the
+                        # intrinsic 12.1 GB/s, with the asm 16.4; in another run the old pair
+                        # 17.6, this one with the accumulators below in memory 19.5)
                         sv = scale(8 * h + 2 * s_ + ch // 4)
                         sc = builder.bitcast(builder.or_(builder.and_(sv, low16), builder.shl(sv, ir.Constant(V16I, [16] * 16))), V32H)
                         for t in range(n_tok):
