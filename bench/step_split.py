@@ -158,17 +158,17 @@ def calls(m, n: int, tokens: int = 1) -> None:
     q = quant.qtype(be.embd.type_id)
     object.__setattr__(q, "dequant_rows", timed(q.dequant_rows, "embedding"))
     sampler.next = timed(sampler.next, "sampler")
-    def step(logits):
+    def forward(logits):
         if tokens == 1:
             return be.forward([sampler.next(logits)], cache)[-1]
         # a speculative check's forward: the token and tokens - 1 guesses (here the same id)
         return be.forward([sampler.next(logits)] * tokens, cache, logits="all", one_by_one=True)[-1]
     for _ in range(8):
-        logits = step(logits)
+        logits = forward(logits)
     spent.clear(), count.clear()
     t0 = time.perf_counter()
     for _ in range(n):
-        logits = step(logits)
+        logits = forward(logits)
     step = (time.perf_counter() - t0) / n
     print(f"{'decode step' if tokens == 1 else f'check of {tokens} tokens'} {step * 1e3:.2f} ms ({n} from 5 tokens deep)\n\n| call | a step | ms a step | us a call |\n|---|---|---|---|")
     for name in sorted(spent, key=lambda k: -spent[k]):

@@ -452,23 +452,27 @@ def _rows16(kind, n_tok, batch=False):
                         if ch < 7:      # each lane done before the next (4-8% faster)
                             fence()
 
-            def fence():
-                builder.asm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", [], True)
+            def fence(*vals):
+                """An empty asm that may read and write memory: no load or store moves across it,
+                and the values passed (vectors, or a pointer it then may reach) exist before it."""
+                cons = ",".join("r" if isinstance(v.type, ir.PointerType) else "v" for v in vals)
+                builder.asm(ir.FunctionType(ir.VoidType(), [v.type for v in vals]), "",
+                            cons + ("," if vals else "") + "~{memory}", list(vals), True)
 
             n_acc = 2 if kind == Q4_K else 1 if kind == Q4_0 else 8
-            acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(n_acc)] for _ in range(n_tok)]
             in_memory = kind == Q6_K and n_tok > 1 and not batch
             if in_memory:
                 # Q6_K's four tokens: 32 float accumulators, all the registers; LLVM kept them in
                 # registers across the block and spilled its working set around them (556 stack
-                # references a block). Escaped to an empty asm that may touch memory (a fence
-                # each block and lane), they stay in memory: a load and a store each a block.
+                # references a block). Escaped to the fence (once a block and lane), they stay
+                # in memory: a load and a store each a block.
                 arr = cgutils.alloca_once(builder, V16F, size=n_tok * n_acc)
-                acc = [[builder.gep(arr, [ir.Constant(ir.IntType(32), t * n_acc + l)]) for l in range(n_acc)] for t in range(n_tok)]
-                for row_ in acc:
-                    for p_ in row_:
-                        builder.store(ir.Constant(V16F, None), p_)
-                builder.asm(ir.FunctionType(ir.VoidType(), [arr.type]), "", "r,~{memory}", [arr], True)
+                acc = [[builder.gep(arr, [ir.Constant(I32, t * n_acc + l)]) for l in range(n_acc)] for t in range(n_tok)]
+                for p_ in (p_ for row_ in acc for p_ in row_):
+                    builder.store(ir.Constant(V16F, None), p_)
+                fence(arr)
+            else:
+                acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(n_acc)] for _ in range(n_tok)]
             prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
                                                       "llvm.prefetch.p0i8")
             low4, zero = ir.Constant(V64B, [15] * 64), ir.Constant(V16I, None)
@@ -546,16 +550,12 @@ def _rows16(kind, n_tok, batch=False):
                         return [builder.fmul(d, x) for x in dx], [builder.fmul(dmin, x) for x in dx]
                     ia, mins = [zero] * n_tok, [zero] * n_tok
                     for p in range(4):
-                        if n_tok > 1 and p and not batch:
-                            # the quarter before done first: its sums are the fence's
-                            # operands (LLVM sank the scales' products to the block's end and
-                            # spilled the four quarters' dots: 101 stack references a block
-                            # -> 23; four tokens from cache 17.5 -> 19.8 GB/s, one thread)
-                            vals = ia + mins
-                            builder.asm(ir.FunctionType(ir.VoidType(), [v.type for v in vals]), "",
-                                        ",".join(["v"] * len(vals)) + ",~{memory}", vals, True)
-                        elif n_tok > 1:
-                            fence()
+                        if n_tok > 1:
+                            # decode's four tokens: the quarter before done first, its sums the
+                            # fence's operands (LLVM sank the scales' products to the block's
+                            # end and spilled the four quarters' dots: 101 stack references a
+                            # block -> 23; four tokens from cache 17.5 -> 19.8 GB/s, one thread)
+                            fence(*(() if batch or not p else ia + mins))
                         dlo, dhi = [zero] * n_tok, [zero] * n_tok
                         for ch in range(8):
                             q = load(builder.add(o, c(64 * (8 * p + ch))), V64B)
