@@ -676,8 +676,12 @@ def _kernel(kind: int):
     the bits it gets alone."""
     if kind not in _kernels:
         step, row_plan = LSTEP if kind <= Q8_0 else 4, PLAN
+        # The closure holds plain values only: numba keys a cached function on its closure's
+        # pickle, and a dispatcher's carries a uuid of its process (a dispatcher here made
+        # every process compile every kind again: 4 s of a warm `prompt Hi -n 1`).
+        # `if tiled` on a closure constant is pruned before typing, so a kernel without tiles
+        # never compiles quant.amx's (nor its instructions, on a CPU that lacks them).
         tiled = kind == Q4_0 and T.Q4_0 in cpu.KIND.amx
-        tiles = amx.q4_0 if tiled else _no_tiles
 
         def group(pk_, npk, row_bytes, g0, g1, nb, xq_, nxq, T, xd_, nxd, is_, nis, y_, ny, nbatch):
             if row_plan < 0:        # never: in the closure for the cache's key (see PLAN)
@@ -686,9 +690,11 @@ def _kernel(kind: int):
             xq, xd = numba.carray(xq_, (T, nxq // T)), numba.carray(xd_, (T, nxd // T))
             isum, y = numba.carray(is_, (T, nis // T)), numba.carray(y_, (T, ny // T))
             T4 = T // 4 * 4
-            ntile = nbatch // amx.TOKENS * amx.TOKENS if tiled else 0
-            if ntile:       # a batch's multiple of 16 through AMX tiles, the same bits
-                tiles(pk, g0, g1, nb, xq, xd, y, ntile)
+            ntile = 0
+            if tiled:       # a batch's multiple of 16 through AMX tiles, the same bits
+                ntile = nbatch // amx.TOKENS * amx.TOKENS
+                if ntile:
+                    amx.q4_0(pk, g0, g1, nb, xq, xd, y, ntile)
             for g in range(g0, g1):
                 for t0 in range(ntile, nbatch, step):
                     _groupb(kind, pk, g, nb, xq, xd, isum, y, t0)
@@ -698,11 +704,6 @@ def _kernel(kind: int):
                     _group1(kind, pk, g, nb, xq, xd, isum, y, t0)
         _kernels[kind] = numba.cfunc(_GROUP_SIG, cache=True)(group)
     return _kernels[kind]
-
-
-@njit
-def _no_tiles(pk, g0, g1, nb, xq, xd, y, n):
-    """quant.amx.q4_0's place in the kinds and CPU rows without tiles (never called)."""
 
 
 @njit(parallel=True, cache=True)
