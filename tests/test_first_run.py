@@ -231,14 +231,16 @@ def test_write_bytecode_compiles_numbats_modules_even_where_python_would_not(tmp
     assert not os.path.exists(importlib.util.cache_from_source(str(other)))
 
 
-def test_a_second_process_loads_the_group_kernels_from_the_cache(tmp_path):
-    """Every packed kind's group kernel (a cached cfunc) compiled by one process is loaded, not
-    compiled again, by the next: numba keys it on its closure's pickle, which must not change
-    from process to process (a dispatcher in the closure carried its process's uuid, and every
-    warm start compiled every kind again: 5 s for `prompt Hi -n 1`)."""
-    code = ("import runner.env, json; from quant import packed as P; "
-            "print(json.dumps([P._kernel(k).cache_hits for k in sorted(set(P.KINDS.values()))]))")
+def test_a_second_process_loads_the_cfuncs_from_the_cache(tmp_path):
+    """Every packed kind's group kernel and flash attention's work items (cached cfuncs, made
+    by factories) compiled by one process are loaded, not compiled again, by the next: numba
+    keys them on their closure's pickle, which must not change from process to process (a
+    dispatcher in the group kernels' closure carried its process's uuid, and every warm start
+    compiled every kind again: 5 s for `prompt Hi -n 1`)."""
+    code = ("import runner.env, json; from quant import packed as P; from runner.backends import kernels as K; "
+            "print(json.dumps([P._kernel(k).cache_hits for k in sorted(set(P.KINDS.values()))] "
+            "+ [K.fa_items(64, False).cache_hits]))")
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     hits = [json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                       check=True, cwd=os.path.dirname(os.path.dirname(__file__))).stdout) for _ in range(2)]
-    assert hits == [[0] * 5, [1] * 5]
+    assert hits == [[0] * 6, [1] * 6]
