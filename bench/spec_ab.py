@@ -111,8 +111,8 @@ def main():
                         step = 1e3 / done.stats.gen_tps     # ms a plain step, this prompt
                     else:
                         spec = done.stats.spec
-                        per_check[k].append(spec.tokens / spec.forwards)
-                        if parts:   # per round (check), in plain steps
+                        per_check[k].append(spec.as_dict()["tokens_per_target_forward"])
+                        if parts and spec.forwards:   # per round (check), in plain steps
                             rnd = 1e3 * spec.tokens / done.stats.gen_tps / spec.forwards
                             for name in ("check", "draft 1", "draft 2+", "draft head"):
                                 shares[k][name].append(parts.ms[name] / spec.forwards / step)
