@@ -14,8 +14,8 @@ run's generation rate and, per draft, the geometric mean over plain and the toke
 over the runs, each part's apart): the target's check, the draft's one-token forwards and its forwards of two
 tokens or more (the guess it did not feed and the target's token, after a check that took
 every guess), its output layer (DraftHead), and the rest (verification, sampling, Python
-between them). A run's first forward of each model (the prompt) is left out; the parts are
-timed around whole calls (~1 us a call).
+between them). Each wrapped call's first of a run (the prompt's forward, the draft's head
+after it) is left out; the parts are timed around whole calls (~1 us a call).
 """
 from __future__ import annotations
 
@@ -57,11 +57,11 @@ class Parts:
         def timed(*a, **k):
             t0 = time.perf_counter()
             r = f(*a, **k)
-            name = part(a[-1] if attr == "__call__" else a[0])
-            if name == "draft head" or (id(obj), name[:5]) in self.first:
+            if id(obj) in self.first:       # each model's first call of a run: the prompt's
+                name = part(a[-1] if attr == "__call__" else a[0])
                 self.ms[name] += (time.perf_counter() - t0) * 1e3
                 self.calls[name] += 1
-            self.first.add((id(obj), name[:5]))     # the prompt's forward: not counted
+            self.first.add(id(obj))
             return r
         setattr(obj, attr, timed)
 
