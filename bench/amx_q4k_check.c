@@ -19,6 +19,28 @@
 #define GB 2368
 #define NT 4
 static double now(void){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+1e-9*t.tv_nsec;}
+// The steps after the integer dots, shared by both kernels: a quarter's two sub-block dots
+// times their scales into the block's sum, the mins against the x-sums; then the block's floats
+#define INL static inline __attribute__((always_inline))
+INL void quarter(const uint8_t *o, int p, const __m512i *dlo, const __m512i *dhi, const int32_t *pair, int stride,
+                 __m512i *ia, __m512i *mins) {
+  __m512i sl = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(o + 2048 + 32 * p)));
+  __m512i sh = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(o + 2064 + 32 * p)));
+  __m512i mp = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(o + 2176 + 32 * p)));
+  for (int t = 0; t < NT; t++) {
+    ia[t] = _mm512_add_epi32(ia[t], _mm512_add_epi32(_mm512_mullo_epi32(dlo[t], sl), _mm512_mullo_epi32(dhi[t], sh)));
+    mins[t] = _mm512_dpwssd_epi32(mins[t], mp, _mm512_set1_epi32(pair[t * stride]));
+  }
+}
+INL void block_floats(const uint8_t *o, const float *xd, int stride, const __m512i *ia, const __m512i *mins, __m512 *acc, __m512 *accm) {
+  __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + 2304)));
+  __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + 2336)));
+  for (int t = 0; t < NT; t++) {
+    __m512 dx = _mm512_set1_ps(xd[t * stride]);
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[t]), _mm512_mul_ps(d, dx), acc[t]);
+    accm[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dm, dx), accm[t]);
+  }
+}
 // x: NT rows of n int8, xd: NT x nb floats, pairs: NT x nb*4 int32 (mins' x-sums)
 __attribute__((noinline)) void vnni4(const uint8_t *pk, int G, int nb, const int8_t *x, int n, const float *xd, const int32_t *pairs, float *y, int pf) {
   const __m512i low4 = _mm512_set1_epi8(15);
@@ -42,21 +64,9 @@ __attribute__((noinline)) void vnni4(const uint8_t *pk, int G, int nb, const int
             dhi[t] = _mm512_dpbusd_epi32(dhi[t], hi, _mm512_set1_epi32(*(const int32_t*)(xt + 32)));
           }
         }
-        __m512i sl = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(o + 2048 + 32 * p)));
-        __m512i sh = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(o + 2064 + 32 * p)));
-        __m512i mp = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(o + 2176 + 32 * p)));
-        for (int t = 0; t < NT; t++) {
-          ia[t] = _mm512_add_epi32(ia[t], _mm512_add_epi32(_mm512_mullo_epi32(dlo[t], sl), _mm512_mullo_epi32(dhi[t], sh)));
-          mins[t] = _mm512_dpwssd_epi32(mins[t], mp, _mm512_set1_epi32(pairs[t * nb * 4 + 4 * b + p]));
-        }
+        quarter(o, p, dlo, dhi, pairs + 4 * b + p, nb * 4, ia, mins);
       }
-      __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + 2304)));
-      __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + 2336)));
-      for (int t = 0; t < NT; t++) {
-        __m512 dx = _mm512_set1_ps(xd[t * nb + b]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[t]), _mm512_mul_ps(d, dx), acc[t]);
-        accm[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dm, dx), accm[t]);
-      }
+      block_floats(o, xd + b, nb, ia, mins, acc, accm);
     }
     for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + (size_t)t * G * 16 + 16 * g, _mm512_sub_ps(acc[t], accm[t]));
   }
@@ -104,24 +114,15 @@ __attribute__((noinline)) void amx4d(const uint8_t *pk, int G, int nb, const int
       __m512i ia[NT], mins[NT];
       for (int t = 0; t < NT; t++) ia[t] = mins[t] = _mm512_setzero_si512();
       for (int p = 0; p < 4; p++) {
-        __m512i sl = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(o + 2048 + 32 * p)));
-        __m512i sh = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(o + 2064 + 32 * p)));
-        __m512i mp = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(o + 2176 + 32 * p)));
         int q = 4 * b + p;
+        __m512i dlo[NT], dhi[NT];
         for (int t = 0; t < NT; t++) {
-          __m512i dlo = _mm512_sub_epi32(_mm512_load_si512(ca[q] + 16 * t), _mm512_load_si512(cb[q] + 16 * t));
-          __m512i dhi = _mm512_srai_epi32(_mm512_load_si512(cb[q] + 16 * (4 + t)), 4);
-          ia[t] = _mm512_add_epi32(ia[t], _mm512_add_epi32(_mm512_mullo_epi32(dlo, sl), _mm512_mullo_epi32(dhi, sh)));
-          mins[t] = _mm512_dpwssd_epi32(mins[t], mp, _mm512_set1_epi32(pairs[t * nb * 4 + 4 * b + p]));
+          dlo[t] = _mm512_sub_epi32(_mm512_load_si512(ca[q] + 16 * t), _mm512_load_si512(cb[q] + 16 * t));
+          dhi[t] = _mm512_srai_epi32(_mm512_load_si512(cb[q] + 16 * (4 + t)), 4);
         }
+        quarter(o, p, dlo, dhi, pairs + 4 * b + p, nb * 4, ia, mins);
       }
-      __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + 2304)));
-      __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + 2336)));
-      for (int t = 0; t < NT; t++) {
-        __m512 dx = _mm512_set1_ps(xd[t * nb + b]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[t]), _mm512_mul_ps(d, dx), acc[t]);
-        accm[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dm, dx), accm[t]);
-      }
+      block_floats(o, xd + b, nb, ia, mins, acc, accm);
     }
     for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + (size_t)t * G * 16 + 16 * g, _mm512_sub_ps(acc[t], accm[t]));
   }
