@@ -285,7 +285,8 @@ def _rows16(kind, n_tok, batch=False):
     """Y[t0 + t, 16g:16g+16] = group g of pk (2-D) . X[t0 + t] for t < n_tok, over nb blocks:
     X as xq (T, n) int8, xd (T, blocks) float32 scales, isum (T, .) sums of xq (int32; Q4_0
     per 32 values; Q5_0/Q8_0 -offset times the sums per 4; Q4_K per 32, two int16 sums in
-    each int32; Q6_K 32 times the sums per 16: one type for every kind, so each kind's
+    each int32; Q6_K 32 times the sums per 16 (its batch kernel), then the sums per 16 as int16
+    pairs, sub-blocks 2l and 2l + 1 for lane l (its lanes' offsets): one type for every kind, so each kind's
     group kernel compiles once). Each token's lanes go through the same operations for any n_tok
     (verification gets decode's bits); the weights are loaded and unpacked once for all n_tok."""
     _, gb, off, _ = LAYOUT[kind]
@@ -384,19 +385,28 @@ def _rows16(kind, n_tok, batch=False):
                 x0 = builder.mul(b, c(256))
                 scale = lambda j: builder.sext(load(builder.add(o, c(3072 + 16 * j)), ir.VectorType(I8, 16)), V16I)
                 neg32 = lambda v: builder.sub(zero, builder.shl(v, ir.Constant(V16I, [5] * 16)))
+                words = q6_slots if n_tok > 1 else None
+
+                def scale_words(j):     # sub-block j's scale in both words of each row's lane
+                    sv = scale(j)
+                    return builder.bitcast(builder.or_(builder.and_(sv, low16), builder.shl(sv, ir.Constant(V16I, [16] * 16))), V32H)
 
                 def offset(ch):
                     # lane = -32 (sa Sa + sb Sb) for the x-sums Sa, Sb of sub-blocks 2ch, 2ch + 1
-                    # (isum holds 32 Sa; |Sa| <= 2048) and their scales sa, sb, as one vpdpwssd
-                    # over the word pairs (-32 sa, -32 sb) and (Sa, Sb)
-                    sab = builder.bitcast(builder.or_(builder.and_(neg32(scale(2 * ch)), low16),
-                                                      builder.shl(neg32(scale(2 * ch + 1)), ir.Constant(V16I, [16] * 16))), V32H)
+                    # (isum's pairs after the sums per 16; |Sa| <= 2048) and their scales sa, sb,
+                    # as one vpdpwssd over the word pairs (-32 sa, -32 sb) and (Sa, Sb): the pair
+                    # read as one broadcast (built here from two sums, it took seven scalar
+                    # instructions a lane and token)
+                    if words:   # sa's low word and sb's high word, times -32
+                        sa, sb = (builder.bitcast(builder.load(words[j]), V16I) for j in (2 * ch, 2 * ch + 1))
+                        ab = builder.or_(builder.and_(sa, low16), builder.and_(sb, ir.Constant(V16I, [-65536] * 16)))
+                        sab = builder.mul(builder.bitcast(ab, V32H), ir.Constant(V32H, [-32] * 32))
+                    else:
+                        sab = builder.bitcast(builder.or_(builder.and_(neg32(scale(2 * ch)), low16),
+                                                          builder.shl(neg32(scale(2 * ch + 1)), ir.Constant(V16I, [16] * 16))), V32H)
                     lane = []
-                    for t in range(n_tok):
-                        s0 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(2 * ch)), I32)
-                        s1 = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(16)), c(2 * ch + 1)), I32)
-                        pair = builder.or_(builder.and_(builder.ashr(s0, ir.Constant(I32, 5)), ir.Constant(I32, 0xFFFF)),
-                                           builder.shl(builder.ashr(s1, ir.Constant(I32, 5)), ir.Constant(I32, 16)))
+                    for t in range(n_tok):      # (Sa, Sb) as the quantizer packed them (_quantize_k)
+                        pair = scalar(tis, aisum, t, lds, builder.add(pairs0, builder.add(builder.mul(b, c(8)), c(ch))), I32)
                         lane.append(builder.call(dpwssd, [zero, sab, builder.bitcast(_splat(builder, pair, V16I), V32H)]))
                     return lane
 
@@ -414,18 +424,22 @@ def _rows16(kind, n_tok, batch=False):
                         # Rapids, variants alternating in one process: vpmaddubsw with the
                         # intrinsic 12.1 GB/s, with the asm 16.4; in another run the old pair
                         # 17.6, this one with the accumulators below in memory 19.5)
-                        sv = scale(8 * h + 2 * s_ + ch // 4)
-                        sc = builder.bitcast(builder.or_(builder.and_(sv, low16), builder.shl(sv, ir.Constant(V16I, [16] * 16))), V32H)
+                        j = 8 * h + 2 * s_ + ch // 4
+                        sc = builder.load(words[j]) if words else scale_words(j)
                         for t in range(n_tok):
                             xo = builder.add(x0, c(128 * h + 32 * s_ + 4 * ch))
                             pairs = builder.call(maddubs, [w, xword(t, xo)])
                             lane[t] = builder.asm(ir.FunctionType(V16I, [V16I, V32H, V32H]), "vpdpwssd $3, $2, $0",
                                                   "=v,0,v,v", [lane[t], pairs, sc], False)
 
-                def finish(ch, lane):
+                def scales():   # d_x d_w of each token
                     d = halves16(builder.add(o, c(3328)))
+                    return [builder.fmul(_splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F), d) for t in range(n_tok)]
+
+                def finish(ch, lane):
+                    dds = [builder.load(p_) for p_ in q6_dd[:n_tok]] if words else scales()
                     for t in range(n_tok):
-                        dd = builder.fmul(_splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F), d)
+                        dd = dds[t]
                         a = acc[t][ch]
                         builder.store(builder.call(fma, [dd, builder.sitofp(lane[t], V16F), builder.load(a)]), a)
 
@@ -442,13 +456,24 @@ def _rows16(kind, n_tok, batch=False):
                     for ch in range(8):
                         finish(ch, lanes[ch])
                 else:
-                    # lane by lane, a chain per half: four tokens' eight lanes would not fit the
-                    # registers across the block
+                    # lane by lane: four tokens' eight lanes would not fit the registers across
+                    # the block. The sub-blocks' scale words and each token's d_x d_w first,
+                    # into memory, once a block: each serves several lanes, and behind the
+                    # fences between lanes every lane built them again (two shuffles a run, a
+                    # multiply a token). Four tokens from cache, one thread, Emerald Rapids
+                    # (bench/packed_ab.py): 41.5 -> 33.6 us with the pairs read whole (offset);
+                    # from memory on two threads 3317 -> 2891 us; one token unchanged. (A
+                    # chain per half instead of one a lane: the same.)
+                    for j in range(16):
+                        builder.store(scale_words(j), words[j])
+                    for p_, v in zip(q6_dd, scales()):
+                        builder.store(v, p_)
+                    fence(q6_words, q6_dd_arr)
                     for ch in range(8):
-                        halves = [offset(ch), [zero] * n_tok]
+                        lane = offset(ch)
                         for h in range(2):
-                            quad(halves[h], h, ch)
-                        finish(ch, [builder.add(a, b_) for a, b_ in zip(*halves)])
+                            quad(lane, h, ch)
+                        finish(ch, lane)
                         if ch < 7:      # each lane done before the next (4-8% faster)
                             fence()
 
@@ -459,6 +484,11 @@ def _rows16(kind, n_tok, batch=False):
                 builder.asm(ir.FunctionType(ir.VoidType(), [v.type for v in vals]), "",
                             cons + ("," if vals else "") + "~{memory}", list(vals), True)
 
+            pairs0 = builder.mul(anb, c(16))    # Q6_K: where isum's pairs of x-sums start
+            q6_words = cgutils.alloca_once(builder, V32H, size=16)
+            q6_slots = [builder.gep(q6_words, [ir.Constant(I32, j)]) for j in range(16)]
+            q6_dd_arr = cgutils.alloca_once(builder, V16F, size=4)
+            q6_dd = [builder.gep(q6_dd_arr, [ir.Constant(I32, t)]) for t in range(4)]
             n_acc = 2 if kind == Q4_K else 1 if kind == Q4_0 else 8
             in_memory = kind == Q6_K and n_tok > 1 and not batch
             if in_memory:
@@ -569,7 +599,12 @@ def _rows16(kind, n_tok, batch=False):
                         for t in range(n_tok):
                             ip = builder.add(builder.mul(dlo[t], sl), builder.mul(dhi[t], sh))
                             pair = scalar(tis, aisum, t, lds, builder.add(builder.mul(b, c(4)), c(p)), I32)
-                            mk = builder.call(dpwssd, [zero if batch else mins[t], mp, builder.bitcast(_splat(builder, pair, V16I), V32H)])
+                            xp = builder.bitcast(_splat(builder, pair, V16I), V32H)
+                            if batch:
+                                mk = builder.call(dpwssd, [zero, mp, xp])
+                            else:   # asm: one instruction, as Q6_K's (LLVM split it in two)
+                                mk = builder.asm(ir.FunctionType(V16I, [V16I, V32H, V32H]), "vpdpwssd $3, $2, $0",
+                                                 "=v,0,v,v", [mins[t], mp, xp], False)
                             if batch:
                                 a, am = acc[t][0], acc[t][1]
                                 builder.store(builder.call(fma, [builder.sitofp(ip, V16F), dd[t], builder.load(a)]), a)
@@ -735,16 +770,21 @@ def _matmul(kind: int):
 def _quantize_k(X, q4, m, xq, xd, bs16, bs32, sums):
     """The rows of X as Q8_K into the buffers' first rows, rows up to m zero (padding tokens);
     sums (int32): Q4_K's (q4) sums per 32 as int16 pairs (each at most 32 * 128; the low
-    half first, as an int16 view of them reads), or Q6_K's offset 32 times the sums per 16.
+    half first, as an int16 view of them reads), or Q6_K's offset 32 times the sums per 16
+    and after them the sums per 16 as int16 pairs (each at most 16 * 128), one a lane of a block.
     One signature for both (one compilation on a first run); one call per matrix, so
     quantizing costs no Python per row."""
+    n16 = bs16.shape[1]
     for i in range(X.shape[0]):
         quantize_x(X[i], xq[i], xd[i], bs16[i], bs32[i])
-        for j in range(sums.shape[1]):
-            if q4:
+        if q4:
+            for j in range(sums.shape[1]):
                 sums[i, j] = (bs32[i, 2 * j] & 0xFFFF) | (bs32[i, 2 * j + 1] << 16)
-            else:
+        else:
+            for j in range(n16):
                 sums[i, j] = 32 * bs16[i, j]
+            for j in range(n16 // 2):
+                sums[i, n16 + j] = (bs16[i, 2 * j] & 0xFFFF) | (bs16[i, 2 * j + 1] << 16)
     for i in range(X.shape[0], m):
         xq[i], xd[i], sums[i] = 0, 0, 0
 
@@ -788,7 +828,7 @@ def _buffers(p: Packed, m: int):
         z = lambda n, t: np.zeros((max(ROWS, m), n), t)
         if k:       # xq, xd, sums per 16 and per 32, the kernel's sums (Q4_K: int16 pairs)
             b = (z(c, np.int8), z(c // 256, np.float32), z(c // 16, np.int32), z(c // 32, np.int32),
-                 z(c // 64, np.int32) if p.kind == Q4_K else z(c // 16, np.int32), {})
+                 z(c // 64, np.int32) if p.kind == Q4_K else z(c // 16 + c // 32, np.int32), {})
         else:       # xq, xd, Q8_1's s and the sums per 32 (unused), the sums per 4
             b = (z(c, np.int8), z(c // 32, np.float32), np.zeros(c // 32, np.float32), np.zeros(c // 32, np.int32),
                  z(c // 4, np.int32), {})
