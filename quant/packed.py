@@ -385,7 +385,7 @@ def _rows16(kind, n_tok, batch=False):
                 x0 = builder.mul(b, c(256))
                 scale = lambda j: builder.sext(load(builder.add(o, c(3072 + 16 * j)), ir.VectorType(I8, 16)), V16I)
                 neg32 = lambda v: builder.sub(zero, builder.shl(v, ir.Constant(V16I, [5] * 16)))
-                words = q6_slots if n_tok > 1 else None
+                words = q6_slots if in_memory else None    # four tokens (set below)
 
                 def scale_words(j):     # sub-block j's scale in both words of each row's lane
                     sv = scale(j)
@@ -437,7 +437,7 @@ def _rows16(kind, n_tok, batch=False):
                     return [builder.fmul(_splat(builder, scalar(txd, axd, t, ldd, b, F32), V16F), d) for t in range(n_tok)]
 
                 def finish(ch, lane):
-                    dds = [builder.load(p_) for p_ in q6_dd[:n_tok]] if words else scales()
+                    dds = [builder.load(p_) for p_ in q6_dd] if words else scales()
                     for t in range(n_tok):
                         dd = dds[t]
                         a = acc[t][ch]
@@ -485,13 +485,13 @@ def _rows16(kind, n_tok, batch=False):
                             cons + ("," if vals else "") + "~{memory}", list(vals), True)
 
             pairs0 = builder.mul(anb, c(16))    # Q6_K: where isum's pairs of x-sums start
-            q6_words = cgutils.alloca_once(builder, V32H, size=16)
-            q6_slots = [builder.gep(q6_words, [ir.Constant(I32, j)]) for j in range(16)]
-            q6_dd_arr = cgutils.alloca_once(builder, V16F, size=4)
-            q6_dd = [builder.gep(q6_dd_arr, [ir.Constant(I32, t)]) for t in range(4)]
             n_acc = 2 if kind == Q4_K else 1 if kind == Q4_0 else 8
             in_memory = kind == Q6_K and n_tok > 1 and not batch
             if in_memory:
+                # q6_block's scale words and d_x d_w, written once a block
+                q6_words, q6_dd_arr = cgutils.alloca_once(builder, V32H, size=16), cgutils.alloca_once(builder, V16F, size=n_tok)
+                q6_slots = [builder.gep(q6_words, [ir.Constant(I32, j)]) for j in range(16)]
+                q6_dd = [builder.gep(q6_dd_arr, [ir.Constant(I32, t)]) for t in range(n_tok)]
                 # Q6_K's four tokens: 32 float accumulators, all the registers; LLVM kept them in
                 # registers across the block and spilled its working set around them (556 stack
                 # references a block). Escaped to the fence (once a block and lane), they stay
