@@ -309,6 +309,10 @@ def _rows16(kind, n_tok, batch=False):
                                                     "llvm.x86.avx512.vpdpbusd.512")
             dpwssd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16I, [V16I, V32H, V32H]),
                                                     "llvm.x86.avx512.vpdpwssd.512")
+            # vpdpwssd as inline asm, where it accumulates in a chain: LLVM's machine combiner
+            # splits the intrinsic into vpmaddwd + vpaddd to shorten the chain (see quad)
+            dpwssd_asm = lambda acc_, a_, b_: builder.asm(ir.FunctionType(V16I, [V16I, V32H, V32H]), "vpdpwssd $3, $2, $0",
+                                                          "=v,0,v,v", [acc_, a_, b_], False)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F] * 3), "llvm.fma.v16f32")
             maddubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32H, [V64B, V64B]),
                                                      "llvm.x86.avx512.pmaddubs.w.512")
@@ -429,8 +433,7 @@ def _rows16(kind, n_tok, batch=False):
                         for t in range(n_tok):
                             xo = builder.add(x0, c(128 * h + 32 * s_ + 4 * ch))
                             pairs = builder.call(maddubs, [w, xword(t, xo)])
-                            lane[t] = builder.asm(ir.FunctionType(V16I, [V16I, V32H, V32H]), "vpdpwssd $3, $2, $0",
-                                                  "=v,0,v,v", [lane[t], pairs, sc], False)
+                            lane[t] = dpwssd_asm(lane[t], pairs, sc)
 
                 def scales():   # d_x d_w of each token
                     d = halves16(builder.add(o, c(3328)))
@@ -602,15 +605,11 @@ def _rows16(kind, n_tok, batch=False):
                             xp = builder.bitcast(_splat(builder, pair, V16I), V32H)
                             if batch:
                                 mk = builder.call(dpwssd, [zero, mp, xp])
-                            else:   # asm: one instruction, as Q6_K's (LLVM split it in two)
-                                mk = builder.asm(ir.FunctionType(V16I, [V16I, V32H, V32H]), "vpdpwssd $3, $2, $0",
-                                                 "=v,0,v,v", [mins[t], mp, xp], False)
-                            if batch:
                                 a, am = acc[t][0], acc[t][1]
                                 builder.store(builder.call(fma, [builder.sitofp(ip, V16F), dd[t], builder.load(a)]), a)
                                 builder.store(builder.call(fma, [builder.sitofp(mk, V16F), ddm[t], builder.load(am)]), am)
-                            else:
-                                ia[t], mins[t] = builder.add(ia[t], ip), mk
+                            else:   # the mins' chain: one instruction a quarter (LLVM split it in two)
+                                ia[t], mins[t] = builder.add(ia[t], ip), dpwssd_asm(mins[t], mp, xp)
                     if not batch:
                         dd, ddm = scales()
                         for t in range(n_tok):
