@@ -70,8 +70,8 @@ KINDS = (
     # the 1.5b's one token 60.8 -> 55.1 ms (2 KB into L1; 4 and 8 KB into L2 2-3% slower, 24
     # and 32 KB 4-5% slower, 16 KB into L1 6% slower), four tokens 79.0 -> 73.6 ms (8 KB into
     # L1); the 0.5b's one token 24.8 -> 22.2 ms, its draft (Q4_0) 16.3 -> 14.7. Four tokens
-    # 8 KB ahead into L2 (session 36, the 1.5b's matrices in a forward's order, rows alternating
-    # in one process, medians of 15-25, four runs): 0.92-0.98x the time at 16 KB (4 and 6 KB
+    # 8 KB ahead into L2 (session 36, bench/prefetch_ab.py: the 1.5b's matrices in a forward's
+    # order, rows alternating in one process, medians of 15-25, four runs): 0.92-0.98x the time at 16 KB (4 and 6 KB
     # about as 8, 12 KB 0.99x, 32 KB 1.02x, 8 KB into L1 1.07x, none 1.25x)
     Kind("avx512-amx", ("avx512f", "avx512bw", "avx512vnni", "amx-int8", "amx-tile"),
          "Intel Xeon with AMX, Emerald Rapids (2026-12-05), 2 cores",

@@ -1,0 +1,95 @@
+"""In-process A/B of a CPU row's prefetch distances for the packed kernels, on a model's real
+matrices in a forward's order (quant/cpu.py's rows; this host's speed drifts by 10-40% within
+minutes, so separate processes cannot tell a 5% change apart):
+
+    python bench/prefetch_ab.py [--model qwen2.5-coder:1.5b] [--tokens 4] [-r 25] \\
+        "B={1: (16384, 2), 4: (8192, 2)}" "C={1: (16384, 2), 4: (4096, 2)}"
+
+A is the row as committed; each NAME=DICT loads quant/packed.py once more with the row's
+prefetch replaced (bytes ahead, LLVM locality, by tokens a call or (type, tokens)). Outputs
+are asserted equal to A's; reports medians and their ratio to A. The kernels of this run are
+cached in a temporary directory: a copy of quant/packed.py under another module name must not
+leave entries in the project's cache that a normal import would then fail to load.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="numbat-prefetch-ab-")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import runner.env  # noqa: E402,F401  thread-pool settings before numpy
+
+import ast  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("rows", nargs="*", help="NAME={tokens: (bytes, locality), ...}")
+    ap.add_argument("--model", default="qwen2.5-coder:1.5b")
+    ap.add_argument("--tokens", type=int, default=4)
+    ap.add_argument("-r", type=int, default=25)
+    a = ap.parse_args()
+    from quant import cpu
+    from quant import packed as A
+    from quant.common import threads
+    from runner.model import load
+    variants = {"A": A}
+    for spec_ in a.rows:
+        name, pf = spec_.split("=", 1)
+        cpu.KIND = replace(cpu.KIND, prefetch=ast.literal_eval(pf))
+        spec = importlib.util.spec_from_file_location("packed_" + name, ROOT / "quant" / "packed.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["packed_" + name] = mod
+        spec.loader.exec_module(mod)
+        variants[name] = mod
+    be = load(a.model).backend
+    seq = []
+    for L in be.layers:
+        seq += ([L.qkv] if L.qkv is not None else [L.wq, L.wk, L.wv]) + [L.wo]
+        seq += ([L.gate_up] if L.gate_up is not None else [L.gate, L.up]) + [L.down]
+    seq.append(be.output)
+    rng = np.random.default_rng(0)
+    calls = []
+    for W in seq:
+        if not isinstance(W.raw, A.Packed):
+            continue
+        X = rng.standard_normal((a.tokens, W.n_in)).astype(np.float32)
+        xq, xd, isum, nb = (np.array(v) if isinstance(v, np.ndarray) else v for v in A._quantized(W.raw, X, a.tokens))
+        calls.append((W.raw, xq, xd, isum, nb, np.empty((a.tokens, W.n_out), np.float32)))
+    addr = {k: {kind: m._kernel(kind).address for kind in {p.kind for p, *_ in calls}} for k, m in variants.items()}
+    n = threads()
+
+    def run(k):
+        t0 = time.perf_counter()
+        for p, xq, xd, isum, nb, y in calls:
+            A._run(addr[k][p.kind], n, p.data, nb, xq, xd, isum, y, 0)
+        return time.perf_counter() - t0
+
+    outs = {}
+    for k in variants:
+        run(k)
+        outs[k] = [c[-1].copy() for c in calls]
+        assert all(np.array_equal(x, y) for x, y in zip(outs["A"], outs[k])), f"{k}: outputs differ from A's"
+    times = collections.defaultdict(list)
+    for r in range(a.r):
+        for k in (list(variants) if r % 2 else list(variants)[::-1]):
+            times[k].append(run(k))
+    base = statistics.median(times["A"])
+    for k in variants:
+        med = statistics.median(times[k])
+        print(f"{k} {med * 1e3:.2f} ms  {med / base:.3f}x A")
+
+
+if __name__ == "__main__":
+    main()
