@@ -2,7 +2,7 @@
 matrices in a forward's order (quant/cpu.py's rows; this host's speed drifts by 10-40% within
 minutes, so separate processes cannot tell a 5% change apart):
 
-    python bench/prefetch_ab.py [--model qwen2.5-coder:1.5b] [--tokens 4] [-r 25] \\
+    python bench/prefetch_ab.py [--model qwen2.5-coder:1.5b] [--draft] [--tokens 4] [-r 25] \\
         "B={1: (16384, 2), 4: (8192, 2)}" "C={1: (16384, 2), 4: (4096, 2)}"
 
 A is the row as committed; each NAME=DICT loads quant/packed.py once more with the row's
@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("rows", nargs="*", help="NAME={tokens: (bytes, locality), ...}")
     ap.add_argument("--model", default="qwen2.5-coder:1.5b")
     ap.add_argument("--tokens", type=int, default=4)
+    ap.add_argument("--draft", action="store_true", help="the model's weights as a speculative draft's")
     ap.add_argument("-r", type=int, default=25)
     a = ap.parse_args()
     from quant import cpu
@@ -53,7 +54,7 @@ def main() -> None:
         sys.modules["packed_" + name] = mod
         spec.loader.exec_module(mod)
         variants[name] = mod
-    be = load(a.model).backend
+    be = load(a.model, draft=a.draft).backend
     seq = []
     for L in be.layers:
         seq += ([L.qkv] if L.qkv is not None else [L.wq, L.wk, L.wv]) + [L.wo]

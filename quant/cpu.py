@@ -55,7 +55,8 @@ AVX512_VNNI = dict(vnni=True, repack=REPACKABLE, gemm8=LEGACY | K_QUANTS, batch_
                    # 27.2 -> 24.6 ms against the hardware prefetcher alone (2-16 KB within a
                    # few percent of these); Q6_K's one token (3360-byte groups) 8 KB ahead:
                    # its matrices 5-15% faster than at 2 KB on Zen 5 (session 18)
-                   prefetch={1: 2048, 4: 8192, ("Q6_K", 1): 8192})
+                   # two tokens (a draft's Q4_0, quant.packed.TWO): four's, not measured here
+                   prefetch={1: 2048, 2: 8192, 4: 8192, ("Q6_K", 1): 8192})
 
 # First match wins: the most specific kind first.
 KINDS = (
@@ -72,10 +73,12 @@ KINDS = (
     # L1); the 0.5b's one token 24.8 -> 22.2 ms, its draft (Q4_0) 16.3 -> 14.7. Four tokens
     # 8 KB ahead into L2 (session 36, bench/prefetch_ab.py: the 1.5b's matrices in a forward's
     # order, rows alternating in one process, medians of 15-25, four runs): 0.92-0.98x the time at 16 KB (4 and 6 KB
-    # about as 8, 12 KB 0.99x, 32 KB 1.02x, 8 KB into L1 1.07x, none 1.25x)
+    # about as 8, 12 KB 0.99x, 32 KB 1.02x, 8 KB into L1 1.07x, none 1.25x). Two tokens (a
+    # draft's Q4_0, session 37, `bench/prefetch_ab.py --model qwen2.5-coder:0.5b --draft
+    # --tokens 2`): 8 KB into L2 0.68x the time without prefetch (16 and 4 KB 0.71x)
     Kind("avx512-amx", ("avx512f", "avx512bw", "avx512vnni", "amx-int8", "amx-tile"),
          "Intel Xeon with AMX, Emerald Rapids (2026-12-05), 2 cores",
-         **{**AVX512_VNNI, "prefetch": {1: (16384, 2), 4: (8192, 2)}}, amx=frozenset({T.Q4_0})),
+         **{**AVX512_VNNI, "prefetch": {1: (16384, 2), 2: (8192, 2), 4: (8192, 2)}}, amx=frozenset({T.Q4_0})),
     # Zen 4: Q6_K's one-token kernel waited on memory with its prefetches into L1 (7-13 GB/s
     # on 2 threads against Q4_K's 34); into L2 (locality 2 or 1) 19-25 GB/s (session 26); the
     # other kinds' one token into L2 too: the 1.5b's matrices in a token's order 39.1 -> 35.6
@@ -88,8 +91,9 @@ KINDS = (
     # (bench/packed_stream.py, alternating) Q4_K 21 -> 24-30 GB/s, Q6_K 17-18 -> 24-26, Q4_0
     # the same, Q5_0 no worse; Q8_0 slower without in a one-matrix measure (37 -> 33 GB/s on
     # two threads): it keeps its prefetch. Four tokens without: their matrices 43.8 -> 54.8 ms (kept)
+    # Two tokens (a draft's Q4_0, session 37): four's distance, not measured on Zen 4
     Kind("avx512-vnni-zen4", ("avx512f", "avx512bw", "avx512vnni"), "AMD EPYC Zen 4 (znver4, 2026-12-05), 2 cores",
-         cpus=("znver4",), **{**AVX512_VNNI, "prefetch": {("Q8_0", 1): (2048, 2), 4: (4096, 2)}}),
+         cpus=("znver4",), **{**AVX512_VNNI, "prefetch": {("Q8_0", 1): (2048, 2), 2: (4096, 2), 4: (4096, 2)}}),
     Kind("avx512-vnni", ("avx512f", "avx512bw", "avx512vnni"),
          "AMD EPYC Zen 5 (LLVM: znver5, 2026-12-02; Zen 4 too until 2026-12-04), 2 cores", **AVX512_VNNI),
     # AVX2, ARM, anything else: the portable numba kernels (LLVM vectorizes them for the host)

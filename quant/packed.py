@@ -6,7 +6,7 @@ each block's bytes the way quant.gemm8's panels do: byte 4i + j of a 64-byte chu
 to row i, so one vpdpbusd with 4 broadcast activation bytes advances 16 rows, and the 16
 scales of a block are one vector. Measured (Kernels in BENCHMARKS.md, 2 threads): Q4_0 92.5
 GB/s on a matrix in L3, 55.7 on one from memory, against 28 for the row kernel. The kernels
-take 1, 4 or 8 tokens, reading and unpacking each group once for them.
+take 1, 2 (Q4_0), 4 or 8 tokens, reading and unpacking each group once for them.
 
 They sum the same integers as the row kernels, and add them into float32 in the order of
 the kernel llama.cpp runs for the type and batch size (tests/llama_orders.py; the README
@@ -654,8 +654,8 @@ def _rows16(kind, n_tok, batch=False):
 
 
 def _dispatch(n_tok, batch=False):
-    """The kernel of each kind for n_tok[kind] tokens at a time: one (decode), four
-    (verification of a few tokens, a batch) or eight (the Q8_0-activation kinds in a batch),
+    """The kernel of each kind for n_tok[kind] tokens at a time: one (decode), two (TWO),
+    four (verification of a few tokens, a batch) or eight (the Q8_0-activation kinds in a batch),
     chosen by an if-chain (numba cannot index a tuple of intrinsics at run time)."""
     q4_0, q5_0, q8_0, q4_K, q6_K = (_rows16(k, n_tok[k], batch) for k in range(5))
 
@@ -677,6 +677,11 @@ def _dispatch(n_tok, batch=False):
 LSTEP = cpu.KIND.batch_step     # tokens per batch kernel call: Q4_0, Q5_0, Q8_0 (a speed choice)
 BATCH_STEP = (LSTEP, LSTEP, LSTEP, 4, 4)    # by kind (Q4_K, Q6_K: llama.cpp's fours)
 _group1, _group4, _groupb = _dispatch((1,) * 5), _dispatch((4,) * 5), _dispatch(BATCH_STEP, True)
+# Kinds with a two-token kernel: a speculative draft's forward of two tokens (the guess it did
+# not feed and the target's, after a check that took every guess: 3 rounds in 4), whose
+# matrices are Q4_0 (numba_cpu.DRAFT_Q4_0), took the four-token kernel with two zero tokens.
+TWO = frozenset({Q4_0})
+_group2 = _dispatch((2,) * 5)
 
 
 # a group kernel's C signature (called through quant.intrin.call_c, an array as its data and
@@ -701,7 +706,7 @@ def _kernel(kind: int):
     """The compiled kernel of one kind for a run of groups of 16 rows and all T tokens of xq: the
     first nbatch (a multiple of the kind's BATCH_STEP) by the batch kernels (Q4_0 on a CPU
     row with AMX: their multiple of 16 through tiles, quant.amx), the rest four at a time,
-    then one, by decode's. A C function of its own (numba's cfunc, cached), called
+    then two (TWO) and one, by decode's. A C function of its own (numba's cfunc, cached), called
     through its address (quant.intrin.call_c) by the one parallel loop (_run): numba links a
     jit callee's code into every caller and optimizes and compiles it again there (a prange
     body four times over: gufunc, two wrappers, the caller), which was most of a kind's
@@ -716,6 +721,7 @@ def _kernel(kind: int):
         # `if tiled` on a closure constant is pruned before typing, so a kernel without tiles
         # never compiles quant.amx's (nor its instructions, on a CPU that lacks them).
         tiled = kind == Q4_0 and T.Q4_0 in cpu.KIND.amx
+        two = kind in TWO
 
         def group(pk_, npk, row_bytes, g0, g1, nb, xq_, nxq, T, xd_, nxd, is_, nis, y_, ny, nbatch):
             if row_plan < 0:        # never: in the closure for the cache's key (see PLAN)
@@ -734,7 +740,12 @@ def _kernel(kind: int):
                     _groupb(kind, pk, g, nb, xq, xd, isum, y, t0)
                 for t0 in range(nbatch, T4, 4):
                     _group4(kind, pk, g, nb, xq, xd, isum, y, t0)
-                for t0 in range(T4, T):
+                t1 = T4
+                if two:     # (on its own line: pruned before typing where False, as tiled)
+                    if T - T4 >= 2:
+                        _group2(kind, pk, g, nb, xq, xd, isum, y, T4)
+                        t1 = T4 + 2
+                for t0 in range(t1, T):
                     _group1(kind, pk, g, nb, xq, xd, isum, y, t0)
         _kernels[kind] = numba.cfunc(_GROUP_SIG, cache=True)(group)
     return _kernels[kind]
@@ -859,7 +870,8 @@ def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True, rou
     """Y (T, rows) for X (T, cols), with the float steps of llama.cpp's kernels for a batch of
     T (batch) or, for every row, those of a single token (decode; speculative verification).
     Above one token the kernels take four at a time, each group of weights read once; T
-    that is not a multiple of four is padded with zero tokens (cheaper than more reads).
+    that is not a multiple of four (TWO: of two) is padded with zero tokens (cheaper than
+    more reads).
     rounded: a dict shared by the calls that multiply the same X (Q, K and V; gate and up),
     so that X is quantized once per kind for them."""
     if X.shape[1] != p.cols:
@@ -875,7 +887,8 @@ def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True, rou
         quantize(X, *args)
         _run(fn, threads(), data, nb, xq, xd, isum, Y, 0)
         return
-    m = n if n == 1 else -(-n // 4) * 4
+    step = 2 if p.kind in TWO else 4
+    m = n if n == 1 else -(-n // step) * step
     key = ("packed", p.kind)
     xq, xd, isum, nb = rounded[key] if rounded is not None and key in rounded else _quantized(p, X, m)
     if rounded is not None:     # views of this kind's buffers, untouched until X changes
