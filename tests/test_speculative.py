@@ -194,6 +194,27 @@ def test_a_draft_runs_its_wider_matrices_as_q4_0(tiny):
     assert not np.array_equal(a, b) and np.corrcoef(a.ravel(), b.ravel())[0, 1] > 0.9
 
 
+def test_a_drafts_attention_takes_the_tiled_path(tiny):
+    """A draft's guesses need not be llama.cpp's bits: every query of it goes through flash
+    attention's tiled path, whose bits do not depend on the thread count, where a target's
+    decode past 512 cells splits its cells between the threads as llama.cpp does."""
+    import numba
+    prompt = [1] + np.random.default_rng(3).integers(259, 384, 600).tolist()
+    old = numba.get_num_threads()
+    for m, same in ((tiny[1], True), (tiny[0], False)):
+        cache = m.make_cache(1024)
+        m.backend.forward(prompt, cache)
+        rows = []
+        try:
+            for n in (2, 1):
+                numba.set_num_threads(n)
+                rows.append(m.backend.forward([300], cache).copy())
+                cache.rollback(1)
+        finally:
+            numba.set_num_threads(old)
+        assert np.array_equal(*rows) == same, m.path
+
+
 PROPOSERS = {
     # p_min=0 (the default, written out): every draft guesses k (a random model's guesses are doubtful)
     "draft k=4": lambda t, d, n_ctx: DraftModel(t, d, n_ctx, k=4, p_min=0),

@@ -145,6 +145,8 @@ class NumbaCPU:
         # flash: llama.cpp's flash-attention kernel (its default on the CPU), else its
         # mul_mat + soft_max path; both to the bit (see K.flash_attention, K.attention)
         self.flash = flash
+        # a draft's attention takes the tiled path for every query (begin)
+        self.tile_all = draft
         # K and V element types (llama.cpp's -ctk/-ctv): f16, or q8_0/q4_0 blocks; a quantized
         # V only with flash attention (llama.cpp's mul_mat path reads V transposed, in f16)
         for t in cache_types:
@@ -283,6 +285,13 @@ class NumbaCPU:
             qbatch[a:e] = bt
             if bt:      # by the size of the llama.cpp batch the run belongs to (its cold run's)
                 qmode[a:e] = K.FA_TILE if (cold[0] if cold else e - a) >= 64 else K.FA_VEC
+        if self.tile_all:
+            # A draft's guesses need not have llama.cpp's bits (the check keeps the output
+            # exact whatever they are): every query through the tiled path, whose 64-cell
+            # tiles and vectorized softmax beat decode's cell-by-cell one, and whose bits do
+            # not depend on the thread count. The 0.5b at 300 cells: a one-token forward's
+            # attention 2.64 -> 2.12 ms, a two-token one's 4.05 -> 3.10 ms.
+            qmode[:] = K.FA_TILE
         tile = qmode == K.FA_TILE
         return _State(b, n, segs, qbatch, qmode, (not tile.all(), bool(tile.any())), quant.threads())
 
