@@ -9,7 +9,8 @@ integer sums of vpdpbusd are exact, so the VNNI and portable forms of a kernel a
 
 A weight of n_out rows times n tokens (see ``linear``):
   packed   Q4_0/Q5_0/Q8_0/Q4_K/Q6_K repacked at load into 16-row groups (quant.packed): one
-           token, four at a time (speculative checks, short batches) or ``batch_step``
+           token, two (Q4_0: a draft's catch-up), four at a time (speculative checks, short
+           batches) or ``batch_step``
            tokens per call for a prompt; on a row with ``amx`` types, a prompt's 16 tokens
            at a time through AMX int8 tiles (quant.amx)
   rows     up to 16 tokens with one token's steps each (quant.kquants' matvec_rows)
