@@ -65,9 +65,10 @@ def main() -> None:
     for W in seq:
         if not isinstance(W.raw, A.Packed):
             continue
+        t = A.padded(W.raw.kind, a.tokens)     # as matmul_rows runs them
         X = rng.standard_normal((a.tokens, W.n_in)).astype(np.float32)
-        xq, xd, isum, nb = (np.array(v) if isinstance(v, np.ndarray) else v for v in A._quantized(W.raw, X, a.tokens))
-        calls.append((W.raw, xq, xd, isum, nb, np.empty((a.tokens, W.n_out), np.float32)))
+        xq, xd, isum, nb = (np.array(v) if isinstance(v, np.ndarray) else v for v in A._quantized(W.raw, X, t))
+        calls.append((W.raw, xq, xd, isum, nb, np.empty((t, W.n_out), np.float32)))
     addr = {k: {kind: m._kernel(kind).address for kind in {p.kind for p, *_ in calls}} for k, m in variants.items()}
     n = threads()
 

@@ -866,6 +866,13 @@ def batch_tokens(kind: int, n: int) -> int:
     return n - n % LSTEP    # the same order either way: LSTEP at a time only for speed
 
 
+def padded(kind: int, n: int) -> int:
+    """The tokens the kernels of kind run for n: above one, a multiple of four (TWO: of
+    two), the rest zero tokens."""
+    step = 2 if kind in TWO else 4
+    return n if n == 1 else -(-n // step) * step
+
+
 def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True, rounded: dict | None = None) -> None:
     """Y (T, rows) for X (T, cols), with the float steps of llama.cpp's kernels for a batch of
     T (batch) or, for every row, those of a single token (decode; speculative verification).
@@ -887,8 +894,7 @@ def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True, rou
         quantize(X, *args)
         _run(fn, threads(), data, nb, xq, xd, isum, Y, 0)
         return
-    step = 2 if p.kind in TWO else 4
-    m = n if n == 1 else -(-n // step) * step
+    m = padded(p.kind, n)
     key = ("packed", p.kind)
     xq, xd, isum, nb = rounded[key] if rounded is not None and key in rounded else _quantized(p, X, m)
     if rounded is not None:     # views of this kind's buffers, untouched until X changes
