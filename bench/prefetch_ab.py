@@ -3,10 +3,11 @@ matrices in a forward's order (quant/cpu.py's rows; this host's speed drifts by 
 minutes, so separate processes cannot tell a 5% change apart):
 
     python bench/prefetch_ab.py [--model qwen2.5-coder:1.5b] [--draft] [--tokens 4] [-r 25] \\
-        "B={1: (16384, 2), 4: (8192, 2)}" "C={1: (16384, 2), 4: (4096, 2)}"
+        "B={1: (16384, 2), 4: (8192, 2)}" "C={1: (16384, 2), 4: (4096, 2), 'spread': 0}"
 
 A is the row as committed; each NAME=DICT loads quant/packed.py once more with the row's
-prefetch replaced (bytes ahead, LLVM locality, by tokens a call or (type, tokens)). Outputs
+prefetch replaced (bytes ahead, LLVM locality, by tokens a call or (type, tokens); the key
+'spread' sets the row's spread_prefetch). Outputs
 are asserted equal to A's; reports medians and their ratio to A. The kernels of this run are
 cached in a temporary directory: a copy of quant/packed.py under another module name must not
 leave entries in the project's cache that a normal import would then fail to load.
@@ -48,7 +49,8 @@ def main() -> None:
     variants = {"A": A}
     for spec_ in a.rows:
         name, pf = spec_.split("=", 1)
-        cpu.KIND = replace(cpu.KIND, prefetch=ast.literal_eval(pf))
+        pf = ast.literal_eval(pf)      # 'spread': the row's spread_prefetch
+        cpu.KIND = replace(cpu.KIND, spread_prefetch=bool(pf.pop("spread", cpu.KIND.spread_prefetch)), prefetch=pf)
         spec = importlib.util.spec_from_file_location("packed_" + name, ROOT / "quant" / "packed.py")
         mod = importlib.util.module_from_spec(spec)
         sys.modules["packed_" + name] = mod

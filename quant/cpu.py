@@ -49,6 +49,8 @@ class Kind:
                                         # LLVM's locality, 3 (into L1, the default) to 0
     cpus: tuple[str, ...] = ()          # LLVM CPU names the row is for (empty: any with the needs)
     amx: frozenset = frozenset()        # repacked types whose batches take AMX int8 tiles (quant.amx)
+    spread_prefetch: bool = False       # packed decode's prefetches one before each 64-byte load of
+                                        # a block (the rest at its top), not all at its top
 
 
 AVX512_VNNI = dict(vnni=True, repack=REPACKABLE, gemm8=LEGACY | K_QUANTS, batch_step=8,
@@ -76,10 +78,19 @@ KINDS = (
     # order, rows alternating in one process, medians of 15-25, four runs): 0.92-0.98x the time at 16 KB (4 and 6 KB
     # about as 8, 12 KB 0.99x, 32 KB 1.02x, 8 KB into L1 1.07x, none 1.25x). Two tokens (a
     # draft's Q4_0, session 37, `bench/prefetch_ab.py --model qwen2.5-coder:0.5b --draft
-    # --tokens 2`): 8 KB into L2 0.68x the time without prefetch (16 and 4 KB 0.71x)
+    # --tokens 2`): 8 KB into L2 0.68x the time without prefetch (16 and 4 KB 0.71x).
+    # Spread prefetches (session 38): a Q4_K or Q6_K block's 37 or 53 issued at its top waited
+    # on the line fill buffers, and its arithmetic waited behind them: four tokens from memory
+    # ran at the sum of the memory's time and the arithmetic's, not the larger. One before each
+    # 64-byte load instead (bench/prefetch_ab.py, rows alternating in one process, medians of
+    # 15): the 1.5b's four-token matrices 67.6 -> 54.8 ms (4 and 16 KB ahead about the same),
+    # its one-token ones 46.6 -> 45.6, the 0.5b draft's (Q4_0) one token the same, two tokens
+    # 13.1 -> 12.7; one synthetic matrix from memory (2 threads): Q6_K four tokens 0.80x,
+    # Q4_K 0.87x, Q4_K one token 0.96x, Q5_0 0.96x, Q8_0 and Q6_K one token 0.99-1.02x
     Kind("avx512-amx", ("avx512f", "avx512bw", "avx512vnni", "amx-int8", "amx-tile"),
-         "Intel Xeon with AMX, Emerald Rapids (2026-12-05), 2 cores",
-         **{**AVX512_VNNI, "prefetch": {1: (16384, 2), 2: (8192, 2), 4: (8192, 2)}}, amx=frozenset({T.Q4_0})),
+         "Intel Xeon with AMX, Emerald Rapids (2026-12-06), 2 cores",
+         **{**AVX512_VNNI, "prefetch": {1: (16384, 2), 2: (8192, 2), 4: (8192, 2)}}, amx=frozenset({T.Q4_0}),
+         spread_prefetch=True),
     # Zen 4: Q6_K's one-token kernel waited on memory with its prefetches into L1 (7-13 GB/s
     # on 2 threads against Q4_K's 34); into L2 (locality 2 or 1) 19-25 GB/s (session 26); the
     # other kinds' one token into L2 too: the 1.5b's matrices in a token's order 39.1 -> 35.6

@@ -69,6 +69,8 @@ V32H = ir.VectorType(ir.IntType(16), 32)
 Q4_0, Q5_0, Q8_0, Q4_K, Q6_K = 0, 1, 2, 3, 4
 LAYOUT = {Q4_0: (18, 288, 8, 32), Q5_0: (22, 352, 16, 32), Q8_0: (34, 544, 128, 32), Q4_K: (144, 2368, 0, 256),
           Q6_K: (210, 3360, 32, 256)}
+# a group-block's 64-byte weight loads by kind (where a CPU row spreads its prefetches over them)
+LOADS = (4, 4, 8, 32, 48)
 KINDS = {T.Q4_0: Q4_0, T.Q5_0: Q5_0, T.Q8_0: Q8_0, T.Q4_K: Q4_K, T.Q6_K: Q6_K}
 NAMES = {k: T(t).name for t, k in KINDS.items()}
 
@@ -292,6 +294,7 @@ def _rows16(kind, n_tok, batch=False):
     _, gb, off, _ = LAYOUT[kind]
     pf = None if batch else cpu.KIND.prefetch.get((NAMES[kind], n_tok), cpu.KIND.prefetch.get(n_tok))     # a batch re-reads a group from cache: no prefetch
     pf, level = pf if isinstance(pf, tuple) else (pf, 3)
+    spread = cpu.KIND.spread_prefetch
 
     @intrinsic
     def rows16(typingctx, pk, g, nb, xq, xd, isum, y, t0):
@@ -317,8 +320,16 @@ def _rows16(kind, n_tok, batch=False):
             maddubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32H, [V64B, V64B]),
                                                      "llvm.x86.avx512.pmaddubs.w.512")
             base = builder.bitcast(pkarr.data, I8.as_pointer())
+            pending = []        # (block offset, line) of the block's prefetches not yet issued
+
+            def ahead(k):       # the next k of them: read, into the row's cache level, data pf ahead
+                for o_, line in pending[:k]:
+                    builder.call(prefetch, [builder.gep(base, [builder.add(o_, c(pf + line))]), *(ir.Constant(I32, v) for v in (0, level, 1))])
+                del pending[:k]
 
             def load(o, ty):
+                if pending and ty == V64B:
+                    ahead(1)
                 return builder.load(builder.bitcast(builder.gep(base, [o]), ty.as_pointer()), align=1)
 
             def xword(t, o):          # 4 activation bytes of token t, broadcast
@@ -522,8 +533,11 @@ def _rows16(kind, n_tok, batch=False):
             with cgutils.for_range(builder, anb) as loop:
                 b = loop.index
                 o = builder.add(gbase, builder.mul(b, c(gb)))
-                for line in range(0, gb if pf else 0, 64):      # read, into the row's cache level, data
-                    builder.call(prefetch, [builder.gep(base, [builder.add(o, c(pf + line))]), *(ir.Constant(I32, v) for v in (0, level, 1))])
+                pending[:] = [(o, line) for line in range(0, gb if pf else 0, 64)]
+                # all at the block's top, or (spread) one before each of its 64-byte loads and
+                # the rest at the top: a burst of 37-53 waited on the line fill buffers, and the
+                # core's arithmetic on the block waited behind them (see cpu.Kind)
+                ahead(max(0, len(pending) - LOADS[kind]) if spread else len(pending))
                 if in_memory:
                     fence()
                 if kind == Q6_K and batch:
@@ -637,6 +651,7 @@ def _rows16(kind, n_tok, batch=False):
                     # integer dot of values 4l..4l+3 of each block, d_w * d_x times it into lane l
                     for ch in range(8 if kind == Q8_0 else 4):
                         legacy_lanes(b, o, ch)
+                ahead(len(pending))     # any left (none where LOADS is right)
             for t in range(n_tok):
                 a = [builder.load(v) for v in acc[t]]
                 if kind == Q4_K:
