@@ -535,8 +535,9 @@ def _rows16(kind, n_tok, batch=False):
                 o = builder.add(gbase, builder.mul(b, c(gb)))
                 pending[:] = [(o, line) for line in range(0, gb if pf else 0, 64)]
                 # all at the block's top, or (spread) one before each of its 64-byte loads and
-                # the rest at the top: a burst of 37-53 waited on the line fill buffers, and the
-                # core's arithmetic on the block waited behind them (see cpu.Kind)
+                # the rest at the top: on the AMX row a burst of 37-53 held up the block's
+                # loads and arithmetic, so that four tokens took the memory's time plus the
+                # arithmetic's (see cpu.Kind)
                 ahead(max(0, len(pending) - LOADS[kind]) if spread else len(pending))
                 if in_memory:
                     fence()
