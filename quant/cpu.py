@@ -79,9 +79,9 @@ KINDS = (
     # about as 8, 12 KB 0.99x, 32 KB 1.02x, 8 KB into L1 1.07x, none 1.25x). Two tokens (a
     # draft's Q4_0, session 37, `bench/prefetch_ab.py --model qwen2.5-coder:0.5b --draft
     # --tokens 2`): 8 KB into L2 0.68x the time without prefetch (16 and 4 KB 0.71x).
-    # Spread prefetches (session 38): a Q4_K or Q6_K block's 37 or 53 issued at its top waited
-    # on the line fill buffers, and its arithmetic waited behind them: four tokens from memory
-    # ran at the sum of the memory's time and the arithmetic's, not the larger. One before each
+    # Spread prefetches (session 38): with a Q4_K or Q6_K block's 37 or 53 issued at its top,
+    # four tokens from memory ran at the sum of the memory's time and the arithmetic's, not
+    # the larger (the burst holds up the block's loads, we take it: no counters here). One before each
     # 64-byte load instead (bench/prefetch_ab.py, rows alternating in one process, medians of
     # 15): the 1.5b's four-token matrices 67.6 -> 54.8 ms (4 and 16 KB ahead about the same),
     # its one-token ones 46.6 -> 45.6, the 0.5b draft's (Q4_0) one token the same, two tokens
