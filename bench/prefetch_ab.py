@@ -2,9 +2,11 @@
 matrices in a forward's order (quant/cpu.py's rows; this host's speed drifts by 10-40% within
 minutes, so separate processes cannot tell a 5% change apart):
 
-    python bench/prefetch_ab.py [--model qwen2.5-coder:1.5b] [--draft] [--tokens 4] [-r 25] \\
-        "B={1: (16384, 2), 4: (8192, 2)}" "C={1: (16384, 2), 4: (4096, 2), 'spread': 0}"
+    python bench/prefetch_ab.py [--model qwen2.5-coder:1.5b | --matrix Q4_K] [--draft] [--tokens 4] \\
+        [-r 25] "B={1: (16384, 2), 4: (8192, 2)}" "C={1: (16384, 2), 4: (4096, 2), 'spread': 0}"
 
+--matrix TYPE: one matrix of random weights of that type instead (17920 x 1536, the 1.5b's
+gate and up), its copies cycled through 256 MB so that each call reads it from memory.
 A is the row as committed; each NAME=DICT loads quant/packed.py once more with the row's
 prefetch replaced (bytes ahead, LLVM locality, by tokens a call or (type, tokens); the key
 'spread' sets the row's spread_prefetch). Outputs
@@ -40,6 +42,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder:1.5b")
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--draft", action="store_true", help="the model's weights as a speculative draft's")
+    ap.add_argument("--matrix", help="a type (Q4_K, Q6_K, ...): one synthetic matrix from memory")
     ap.add_argument("-r", type=int, default=25)
     a = ap.parse_args()
     from quant import cpu
@@ -56,28 +59,34 @@ def main() -> None:
         sys.modules["packed_" + name] = mod
         spec.loader.exec_module(mod)
         variants[name] = mod
-    be = load(a.model, draft=a.draft).backend
-    seq = []
-    for L in be.layers:
-        seq += ([L.qkv] if L.qkv is not None else [L.wq, L.wk, L.wv]) + [L.wo]
-        seq += ([L.gate_up] if L.gate_up is not None else [L.gate, L.up]) + [L.down]
-    seq.append(be.output)
     rng = np.random.default_rng(0)
+    if a.matrix:
+        from gguf_io.types import GGMLQuantizationType as T
+        from kernels import random_weights      # bench/kernels.py
+        p = A.pack(T[a.matrix], random_weights(T[a.matrix], 17920, 1536, rng))
+        seq = [(p, 1536, 17920, [p.data] + [p.data.copy() for _ in range(-(-(256 << 20) // p.data.nbytes) - 1)])]
+    else:
+        be = load(a.model, draft=a.draft).backend
+        Ws = []
+        for L in be.layers:
+            Ws += ([L.qkv] if L.qkv is not None else [L.wq, L.wk, L.wv]) + [L.wo]
+            Ws += ([L.gate_up] if L.gate_up is not None else [L.gate, L.up]) + [L.down]
+        Ws.append(be.output)
+        seq = [(W.raw, W.n_in, W.n_out, [W.raw.data]) for W in Ws if isinstance(W.raw, A.Packed)]
     calls = []
-    for W in seq:
-        if not isinstance(W.raw, A.Packed):
-            continue
-        t = A.padded(W.raw.kind, a.tokens)     # as matmul_rows runs them
-        X = rng.standard_normal((a.tokens, W.n_in)).astype(np.float32)
-        xq, xd, isum, nb = (np.array(v) if isinstance(v, np.ndarray) else v for v in A._quantized(W.raw, X, t))
-        calls.append((W.raw, xq, xd, isum, nb, np.empty((t, W.n_out), np.float32)))
-    addr = {k: {kind: m._kernel(kind).address for kind in {p.kind for p, *_ in calls}} for k, m in variants.items()}
-    n = threads()
+    for p, n_in, n_out, datas in seq:
+        t = A.padded(p.kind, a.tokens)     # as matmul_rows runs them
+        X = rng.standard_normal((a.tokens, n_in)).astype(np.float32)
+        xq, xd, isum, nb = (np.array(v) if isinstance(v, np.ndarray) else v for v in A._quantized(p, X, t))
+        calls.append((p, datas, xq, xd, isum, nb, np.empty((t, n_out), np.float32)))
+    addr = {k: {kind: m._kernel(kind).address for kind in {c[0].kind for c in calls}} for k, m in variants.items()}
+    n, turn = threads(), [0]
 
     def run(k):
+        turn[0] += 1        # a synthetic matrix's next copy, not in cache from the call before
         t0 = time.perf_counter()
-        for p, xq, xd, isum, nb, y in calls:
-            A._run(addr[k][p.kind], n, p.data, nb, xq, xd, isum, y, 0)
+        for p, datas, xq, xd, isum, nb, y in calls:
+            A._run(addr[k][p.kind], n, datas[turn[0] % len(datas)], nb, xq, xd, isum, y, 0)
         return time.perf_counter() - t0
 
     outs = {}
