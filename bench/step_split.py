@@ -2,7 +2,7 @@
 
     python bench/step_split.py [MODEL] [-n 64] [--tokens T] [--calls | --python]
 
-1. Ops: n greedy decode steps with each backend op (graph.run's) timed, and within it the
+1. Ops: n greedy decode steps (--tokens T > 1: speculative checks of T tokens) with each backend op (graph.run's) timed, and within it the
    compiled kernels it calls (the packed matmul's parallel loop and runner.backends.kernels'
    functions): what is left of an op is its Python (wrappers, slicing, the activation
    quantizers' calls). "outside ops": graph.forward's bookkeeping, the loop over layers and
@@ -58,15 +58,25 @@ def _wrap_kernels(K, wrap) -> None:
 
 
 def _rebind(be) -> None:
-    """Forget the quantizers that packed matrices bound for decode (Packed.one), so that their
+    """Forget the quantizers that packed matrices bound for small batches (Packed.bound), so that their
     next calls take the module's functions as replaced here."""
     from quant import packed as P
     for W in [be.output, *(w for L in be.layers for w in vars(L).values())]:
         if isinstance(getattr(W, "raw", None), P.Packed):
-            W.raw.one = None
+            W.raw.bound.clear()
 
 
-def ops(m, n: int) -> None:
+def _step(be, cache, sampler, tokens: int):
+    """The forward of a decode step (tokens 1) or of a speculative check of tokens tokens (the
+    token and tokens - 1 guesses, here the same id): the last row's logits."""
+    def forward(logits):
+        if tokens == 1:
+            return be.forward([sampler.next(logits)], cache)[-1]
+        return be.forward([sampler.next(logits)] * tokens, cache, logits="all", one_by_one=True)[-1]
+    return forward
+
+
+def ops(m, n: int, tokens: int = 1) -> None:
     from quant import packed as P
     from runner.backends import kernels as K
     be, inside = m.backend, [0.0]
@@ -91,14 +101,15 @@ def ops(m, n: int) -> None:
     P._run = timed(P._run)
     for op in OPS:
         setattr(be, op, timed(getattr(be, op), op))
+    forward = _step(be, cache, sampler, tokens)
     for _ in range(4):
-        logits = be.forward([sampler.next(logits)], cache)[-1]
+        logits = forward(logits)
     spent.clear(), kern.clear(), calls.clear()
     t0 = time.perf_counter()
     for _ in range(n):
-        logits = be.forward([sampler.next(logits)], cache)[-1]
+        logits = forward(logits)
     step = (time.perf_counter() - t0) / n
-    print(f"decode step {step * 1e3:.2f} ms ({n} steps)\n\n| op | calls a step | ms | kernels ms | Python ms | Python a call (us) |\n|---|---|---|---|---|---|")
+    print(f"{'decode step' if tokens == 1 else f'check of {tokens} tokens'} {step * 1e3:.2f} ms ({n} steps)\n\n| op | calls a step | ms | kernels ms | Python ms | Python a call (us) |\n|---|---|---|---|---|---|")
     for op in (o for o in OPS if calls[o]):
         py = (spent[op] - kern[op]) / n
         print(f"| {op} | {calls[op] / n:.0f} | {spent[op] / n * 1e3:.2f} | {kern[op] / n * 1e3:.2f} | {py * 1e3:.2f} | {py / (calls[op] / n) * 1e6:.1f} |")
@@ -158,11 +169,7 @@ def calls(m, n: int, tokens: int = 1) -> None:
     q = quant.qtype(be.embd.type_id)
     object.__setattr__(q, "dequant_rows", timed(q.dequant_rows, "embedding"))
     sampler.next = timed(sampler.next, "sampler")
-    def forward(logits):
-        if tokens == 1:
-            return be.forward([sampler.next(logits)], cache)[-1]
-        # a speculative check's forward: the token and tokens - 1 guesses (here the same id)
-        return be.forward([sampler.next(logits)] * tokens, cache, logits="all", one_by_one=True)[-1]
+    forward = _step(be, cache, sampler, tokens)
     for _ in range(8):
         logits = forward(logits)
     spent.clear(), count.clear()
@@ -220,7 +227,7 @@ def main() -> None:
         return python_alone(m, a.n) if a.python else calls(m, a.n, a.tokens)
     matrices(m, a.tokens)
     print()
-    ops(m, a.n)
+    ops(m, a.n, a.tokens)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ class Packed:
         self.type_id, self.data, self.rows, self.cols = int(type_id), data, rows, cols
         self.kind = KINDS[type_id]
         self.shape = (rows, cols)       # what callers check of a weight
-        self.one = None                 # decode's calls, bound once (matmul_rows)
+        self.bound = {}                 # small batches' calls, bound once (matmul_rows)
 
 
 def enabled() -> bool:
@@ -900,15 +900,21 @@ def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True, rou
     if X.shape[1] != p.cols:
         raise ValueError(f"{T(p.type_id).name}: {p.cols} inputs expected, got {X.shape[1]}")
     n = X.shape[0]
-    if n == 1 and rounded is None and Y.flags.c_contiguous:
-        # decode, ~100 calls a token: the same two kernels with their arguments bound once
-        # (this function's other steps cost 2-3 us a call with hot caches, 2-3x that in a step)
-        if p.one is None:
-            quantize, args, (xq, xd, isum, nb) = _buffers(p, 1)
-            p.one = quantize, args, (_kernel(p.kind).address, p.data, nb, xq, xd, isum)
-        quantize, args, (fn, data, nb, xq, xd, isum) = p.one
+    if n <= ROWS and rounded is None and Y.flags.c_contiguous:
+        # decode, a speculative check, a draft's two tokens: ~100 calls a forward, the same two
+        # kernels with their arguments bound once (this function's other steps cost 2-3 us a
+        # call with hot caches, 2-3x that in a step)
+        bound = p.bound.get((n, batch))
+        if bound is None:
+            m = padded(p.kind, n)
+            quantize, args, (xq, xd, isum, nb) = _buffers(p, m)
+            bound = p.bound[(n, batch)] = (quantize, args, _kernel(p.kind).address, p.data, nb, xq, xd, isum,
+                                           batch_tokens(p.kind, n) if batch else 0, None if m == n else _ypad(p, m))
+        quantize, args, fn, data, nb, xq, xd, isum, nbatch, pad = bound
         quantize(X, *args)
-        _run(fn, threads(), data, nb, xq, xd, isum, Y, 0)
+        _run(fn, threads(), data, nb, xq, xd, isum, Y if pad is None else pad, nbatch)
+        if pad is not None:
+            Y[:] = pad[:n]
         return
     m = padded(p.kind, n)
     key = ("packed", p.kind)
@@ -919,11 +925,17 @@ def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True, rou
     if m == n and Y.flags.c_contiguous:     # the kernels write through flat offsets
         _run(_kernel(p.kind).address, threads(), p.data, nb, xq, xd, isum, Y, nbatch)
         return
+    Yp = _ypad(p, m)
+    _run(_kernel(p.kind).address, threads(), p.data, nb, xq, xd, isum, Yp, nbatch)
+    Y[:] = Yp[:n]
+
+
+def _ypad(p: Packed, m: int) -> np.ndarray:
+    """m rows of output for p's padded tokens (the buffer grows to the largest m, once)."""
     Yp = _ybuf.get(p.rows)
     if Yp is None or Yp.shape[0] < m:
         Yp = _ybuf[p.rows] = np.empty((max(ROWS, m), p.rows), np.float32)
-    _run(_kernel(p.kind).address, threads(), p.data, nb, xq, xd, isum, Yp[:m], nbatch)
-    Y[:] = Yp[:n]
+    return Yp[:m]
 
 
 def matvec(p: Packed, x: np.ndarray, y: np.ndarray) -> None:
