@@ -2,11 +2,11 @@
 
     python bench/step_split.py [MODEL] [-n 64] [--tokens T] [--calls | --python]
 
-1. Ops: n greedy decode steps (--tokens T > 1: speculative checks of T tokens) with each backend op (graph.run's) timed, and within it the
-   compiled kernels it calls (the packed matmul's parallel loop and runner.backends.kernels'
-   functions): what is left of an op is its Python (wrappers, slicing, the activation
-   quantizers' calls). "outside ops": graph.forward's bookkeeping, the loop over layers and
-   the sampler.
+1. Ops: n greedy decode steps (--tokens T > 1: speculative checks of T tokens) with each
+   backend op (graph.run's) timed, and within it the compiled kernels it calls (the packed
+   matmul's parallel loop and runner.backends.kernels' functions): what is left of an op is
+   its Python (wrappers, slicing, the activation quantizers' calls). "outside ops":
+   graph.forward's bookkeeping, the loop over layers and the sampler.
 2. Matrices: the model's weights in a forward's order (fused as the forward fuses them), T
    tokens with one token's float steps (decode T=1, a speculative check T=4), nothing else
    between the calls: ms and GB/s by role and type, median of 6 passes (compare with
@@ -15,8 +15,8 @@
    name (the packed matmul's parallel loop, its activation quantizers, each kernel of
    runner.backends.kernels, the embedding lookup, the sampler), the step's rest (Python,
    numpy glue between the calls, ~0.5 us a call of this timing) last.
-4. Python alone (--python, instead of 1 and 2): a decode step with every compiled call a
-   no-op, against the real step measured just before: what the interpreter costs with hot
+4. Python alone (--python, instead of 1 and 2): a decode step (--tokens T: a check of T
+   tokens) with every compiled call a no-op, against the real step measured just before: what the interpreter costs with hot
    caches. Inside a real step the same Python runs 2-4x slower (the weights streaming
    through the caches between its lines), so read it as a floor.
 """
@@ -183,7 +183,7 @@ def calls(m, n: int, tokens: int = 1) -> None:
     print(f"| the rest | | {(step - sum(spent.values()) / n) * 1e3:.3f} | |")
 
 
-def python_alone(m, n: int) -> None:
+def python_alone(m, n: int, tokens: int = 1) -> None:
     import quant
     from quant import packed as P
     from runner.backends import kernels as K
@@ -196,9 +196,12 @@ def python_alone(m, n: int) -> None:
         for _ in range(5):
             t0 = time.perf_counter()
             for i in range(n):
-                be.forward([100 + i], cache)
+                if tokens == 1:
+                    be.forward([100 + i], cache)
+                else:
+                    be.forward([100 + i] * tokens, cache, logits="all", one_by_one=True)
             best = min(best, (time.perf_counter() - t0) / n)
-            cache.rollback(n)
+            cache.rollback(n * tokens)
         return best * 1e3
 
     real = step_ms()
@@ -208,7 +211,7 @@ def python_alone(m, n: int) -> None:
     _rebind(be)
     q = quant.qtype(be.embd.type_id)
     object.__setattr__(q, "dequant_rows", noop)
-    print(f"decode step {real:.2f} ms; its Python alone (every compiled call a no-op) {step_ms():.3f} ms "
+    print(f"{'decode step' if tokens == 1 else f'check of {tokens} tokens'} {real:.2f} ms; its Python alone (every compiled call a no-op) {step_ms():.3f} ms "
           f"(best of 5 runs of {n} steps)")
 
 
@@ -224,7 +227,7 @@ def main() -> None:
     from runner.model import load
     m = load(a.model, draft=a.draft)
     if a.python or a.calls:
-        return python_alone(m, a.n) if a.python else calls(m, a.n, a.tokens)
+        return python_alone(m, a.n, a.tokens) if a.python else calls(m, a.n, a.tokens)
     matrices(m, a.tokens)
     print()
     ops(m, a.n, a.tokens)
