@@ -103,9 +103,14 @@ KINDS = (
     # (bench/packed_stream.py, alternating) Q4_K 21 -> 24-30 GB/s, Q6_K 17-18 -> 24-26, Q4_0
     # the same, Q5_0 no worse; Q8_0 slower without in a one-matrix measure (37 -> 33 GB/s on
     # two threads): it keeps its prefetch. Four tokens without: their matrices 43.8 -> 54.8 ms (kept)
-    # Two tokens (a draft's Q4_0, session 37): four's distance, not measured on Zen 4
-    Kind("avx512-vnni-zen4", ("avx512f", "avx512bw", "avx512vnni"), "AMD EPYC Zen 4 (znver4, 2026-12-05), 2 cores",
-         cpus=("znver4",), **{**AVX512_VNNI, "prefetch": {("Q8_0", 1): (2048, 2), 2: (4096, 2), 4: (4096, 2)}}),
+    # Session 40 (bench/prefetch_ab.py, rows alternating in one process, medians of 15-25):
+    # spread prefetches (as the AMX row's) for four tokens, the 1.5b's matrices 0.80-0.86x the
+    # time at 4 KB ahead, 0.78-0.83x at 8 KB (6 KB as 8; 2 KB 1.11x); two tokens (the draft's
+    # forward) without prefetch, as one token: 0.92-0.93x the time at 4 KB (2 KB 0.95x); one
+    # token unchanged (@Q8_0's with its Q8_0 prefetch spread 0.996-1.06x)
+    Kind("avx512-vnni-zen4", ("avx512f", "avx512bw", "avx512vnni"), "AMD EPYC Zen 4 (znver4, 2026-12-06), 2 cores",
+         cpus=("znver4",), **{**AVX512_VNNI, "prefetch": {("Q8_0", 1): (2048, 2), 4: (8192, 2)}},
+         spread_prefetch=True),
     Kind("avx512-vnni", ("avx512f", "avx512bw", "avx512vnni"),
          "AMD EPYC Zen 5 (LLVM: znver5, 2026-12-02; Zen 4 too until 2026-12-04), 2 cores", **AVX512_VNNI),
     # AVX2, ARM, anything else: the portable numba kernels (LLVM vectorizes them for the host)
