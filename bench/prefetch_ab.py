@@ -3,13 +3,13 @@ matrices in a forward's order (quant/cpu.py's rows; this host's speed drifts by 
 minutes, so separate processes cannot tell a 5% change apart):
 
     python bench/prefetch_ab.py [--model qwen2.5-coder:1.5b | --matrix Q4_K] [--draft] [--tokens 4] \\
-        [-r 25] "B={1: (16384, 2), 4: (8192, 2)}" "C={1: (16384, 2), 4: (4096, 2), 'spread': 0}"
+        [-r 25] "B={1: (16384, 2), 4: (8192, 2)}" "C={1: (16384, 2), 4: (4096, 2), 'spread': (4,)}"
 
 --matrix TYPE: one matrix of random weights of that type instead (17920 x 1536, the 1.5b's
 gate and up), its copies cycled through 256 MB so that each call reads it from memory.
 A is the row as committed; each NAME=DICT loads quant/packed.py once more with the row's
 prefetch replaced (bytes ahead, LLVM locality, by tokens a call or (type, tokens); the key
-'spread' sets the row's spread_prefetch). Outputs
+'spread' sets the row's spread_prefetch, the token counts that spread). Outputs
 are asserted equal to A's; reports medians and their ratio to A. The kernels of this run are
 cached in a temporary directory: a copy of quant/packed.py under another module name must not
 leave entries in the project's cache that a normal import would then fail to load.
@@ -52,8 +52,8 @@ def main() -> None:
     variants = {"A": A}
     for spec_ in a.rows:
         name, pf = spec_.split("=", 1)
-        pf = ast.literal_eval(pf)      # 'spread': the row's spread_prefetch
-        cpu.KIND = replace(cpu.KIND, spread_prefetch=bool(pf.pop("spread", cpu.KIND.spread_prefetch)), prefetch=pf)
+        pf = ast.literal_eval(pf)      # 'spread': the row's spread_prefetch (token counts)
+        cpu.KIND = replace(cpu.KIND, spread_prefetch=tuple(pf.pop("spread", cpu.KIND.spread_prefetch)), prefetch=pf)
         spec = importlib.util.spec_from_file_location("packed_" + name, ROOT / "quant" / "packed.py")
         mod = importlib.util.module_from_spec(spec)
         sys.modules["packed_" + name] = mod

@@ -49,8 +49,8 @@ class Kind:
                                         # LLVM's locality, 3 (into L1, the default) to 0
     cpus: tuple[str, ...] = ()          # LLVM CPU names the row is for (empty: any with the needs)
     amx: frozenset = frozenset()        # repacked types whose batches take AMX int8 tiles (quant.amx)
-    spread_prefetch: bool = False       # packed decode's prefetches one before each 64-byte load of
-                                        # a block (the rest at its top), not all at its top
+    spread_prefetch: tuple = ()         # tokens a call whose packed prefetches go one before each
+                                        # 64-byte load of a block (the rest at its top), not all at its top
 
 
 AVX512_VNNI = dict(vnni=True, repack=REPACKABLE, gemm8=LEGACY | K_QUANTS, batch_step=8,
@@ -90,7 +90,7 @@ KINDS = (
     Kind("avx512-amx", ("avx512f", "avx512bw", "avx512vnni", "amx-int8", "amx-tile"),
          "Intel Xeon with AMX, Emerald Rapids (2026-12-06), 2 cores",
          **{**AVX512_VNNI, "prefetch": {1: (16384, 2), 2: (8192, 2), 4: (8192, 2)}}, amx=frozenset({T.Q4_0}),
-         spread_prefetch=True),
+         spread_prefetch=(1, 2, 4)),
     # Zen 4: Q6_K's one-token kernel waited on memory with its prefetches into L1 (7-13 GB/s
     # on 2 threads against Q4_K's 34); into L2 (locality 2 or 1) 19-25 GB/s (session 26); the
     # other kinds' one token into L2 too: the 1.5b's matrices in a token's order 39.1 -> 35.6
@@ -107,10 +107,11 @@ KINDS = (
     # spread prefetches (as the AMX row's) for four tokens, the 1.5b's matrices 0.80-0.86x the
     # time at 4 KB ahead, 0.78-0.83x at 8 KB (6 KB as 8; 2 KB 1.11x); two tokens (the draft's
     # forward) without prefetch, as one token: 0.92-0.93x the time at 4 KB (2 KB 0.95x); one
-    # token unchanged (@Q8_0's with its Q8_0 prefetch spread 0.996-1.06x)
+    # token's as they were (@Q8_0's matrices with its Q8_0 prefetch spread 0.996-1.06x the
+    # time in three runs)
     Kind("avx512-vnni-zen4", ("avx512f", "avx512bw", "avx512vnni"), "AMD EPYC Zen 4 (znver4, 2026-12-06), 2 cores",
          cpus=("znver4",), **{**AVX512_VNNI, "prefetch": {("Q8_0", 1): (2048, 2), 4: (8192, 2)}},
-         spread_prefetch=True),
+         spread_prefetch=(4,)),
     Kind("avx512-vnni", ("avx512f", "avx512bw", "avx512vnni"),
          "AMD EPYC Zen 5 (LLVM: znver5, 2026-12-02; Zen 4 too until 2026-12-04), 2 cores", **AVX512_VNNI),
     # AVX2, ARM, anything else: the portable numba kernels (LLVM vectorizes them for the host)

@@ -294,7 +294,7 @@ def _rows16(kind, n_tok, batch=False):
     _, gb, off, _ = LAYOUT[kind]
     pf = None if batch else cpu.KIND.prefetch.get((NAMES[kind], n_tok), cpu.KIND.prefetch.get(n_tok))     # a batch re-reads a group from cache: no prefetch
     pf, level = pf if isinstance(pf, tuple) else (pf, 3)
-    spread = cpu.KIND.spread_prefetch
+    spread = n_tok in cpu.KIND.spread_prefetch
 
     @intrinsic
     def rows16(typingctx, pk, g, nb, xq, xd, isum, y, t0):
