@@ -43,9 +43,11 @@ def write_tiny_model(path: str | Path, arch: str = "llama", *, n_embd: int = 64,
                      n_vocab: int = 384, n_ctx_train: int = 256, seed: int = 0,
                      weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
                      tied_output: bool = False, sliding_window: int = 8, rope_base: float | None = None,
-                     norm_eps: float = 1e-6, extra: Callable[[GGUFWriter], None] | None = None) -> Path:
+                     norm_eps: float = 1e-6, extra: Callable[[GGUFWriter], None] | None = None,
+                     tensor_types: dict[str, GGMLQuantizationType] | None = None) -> Path:
     """Write a random model of `arch` to `path`. Matrices are stored as `weight_type`
-    (quantized with gguf-py's reference quantizers), norms and biases as F32.
+    (quantized with gguf-py's reference quantizers), or as `tensor_types` names for a tensor by its
+    name without the layer's prefix ("attn_v.weight"), norms and biases as F32.
     `sliding_window` only applies to gemma3. `extra(writer)` runs before the file is
     written, to add metadata (for example ``w.add_custom_alignment(64)``)."""
     if arch not in ARCHS:
@@ -81,10 +83,11 @@ def write_tiny_model(path: str | Path, arch: str = "llama", *, n_embd: int = 64,
     def matrix(name, rows, cols, gain=1.0):
         # std gain/sqrt(fan_in) keeps activations O(1) through the layers
         x = rng.normal(0.0, gain / np.sqrt(cols), (rows, cols)).astype(np.float32)
-        if weight_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            w.add_tensor(name, gq.quantize(x, weight_type))
+        wt = (tensor_types or {}).get(name.split(".", 2)[-1] if name.startswith("blk.") else name, weight_type)
+        if wt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            w.add_tensor(name, gq.quantize(x, wt))
         else:
-            w.add_tensor(name, gq.quantize(x, weight_type), raw_dtype=weight_type)
+            w.add_tensor(name, gq.quantize(x, wt), raw_dtype=wt)
 
     def vector(name, n, mean, std):
         w.add_tensor(name, rng.normal(mean, std, n).astype(np.float32))

@@ -218,9 +218,11 @@ def pack_file(f, names, groups=(), keep=None, q4_0=frozenset()) -> dict:
     kernel's transparent huge pages: writing it costs a fault per 2 MB, not per 4 KB), their
     mapped pages released after. 0.5b: about 0.2 s for 395 MB. (Reading the file with read()
     instead of the mapping took 0.44 s here for the same bytes.)
-    groups: tuples of names that take the same input (q, k, v; gate, up). Where all members
-    repack to one type and width they are laid out one after the other, and the tuple maps to
-    one Packed of all their rows: one kernel call, the input quantized once.
+    groups: tuples of names that take the same input (q, k, v; gate, up), laid out one after
+    the other. Where all members repack to one type and width, the tuple maps to one Packed of
+    all their rows: one kernel call, the input quantized once; otherwise so does its longest
+    leading run of two or more that do (q and k where v has another type, as in half the layers
+    of a Q4_K_M file).
     keep: a store of derived bytes (models.derived: load/create/save) that maps the buffer a former
     load wrote instead of packing again, keyed by this file, what is packed and this code.
     q4_0: types whose matrices are requantized to Q4_0 first (quant.requantize: a draft's, see
@@ -251,10 +253,13 @@ def pack_file(f, names, groups=(), keep=None, q4_0=frozenset()) -> dict:
         keep.save(f.path, kind, key, arena)
     for g in groups:
         ps = [out.get(n) for n in g]
-        if all(ps) and len({(p.type_id, p.cols) for p in ps}) == 1:     # then adjacent, in order
-            rows = sum(p.rows for p in ps)
-            data = arena[span[g[0]][0]:span[g[-1]][1]].reshape(rows // 16, -1)
-            out[g] = Packed(ps[0].type_id, data, rows, ps[0].cols)
+        m = 0       # the leading members of one type and width (adjacent, in order)
+        while m < len(ps) and ps[m] and (ps[m].type_id, ps[m].cols) == (ps[0].type_id, ps[0].cols):
+            m += 1
+        if m >= 2:
+            rows = sum(p.rows for p in ps[:m])
+            data = arena[span[g[0]][0]:span[g[m - 1]][1]].reshape(rows // 16, -1)
+            out[g[:m]] = Packed(ps[0].type_id, data, rows, ps[0].cols)
     return out
 
 

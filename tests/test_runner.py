@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 from gguf_io.testing import write_tiny_model
+from gguf_io.types import GGMLQuantizationType as T
+from quant import packed
 from runner.generate import ContextError, Done, Notice, Token, generate
 from runner.kv_cache import KVCache
 from runner.model import load
@@ -71,6 +73,27 @@ def test_prefill_equals_decode(name, request):
     step = _decode_logits(m, IDS)
     tol = 2e-3 if m.backend.flash else 3e-4
     np.testing.assert_allclose(full, step, rtol=1e-4, atol=tol * np.abs(full).max())
+
+
+@pytest.mark.skipif(not packed.enabled(), reason="repacking needs AVX512-VNNI (and NUMBAT_REPACK unset)")
+def test_q_and_k_fused_where_v_has_another_type_keep_the_bits(tmp_path):
+    """Half the layers of a Q4_K_M file have V in another type than Q and K: Q and K make one
+    kernel call there. Its outputs are those of the two matrices apart, for decode, a
+    speculative check's four tokens and a short batch."""
+    p = write_tiny_model(tmp_path / "m.gguf", "qwen2", n_embd=256, n_ff=512, n_head=4, n_head_kv=2,
+                         weight_type=T.Q8_0, tensor_types={"attn_v.weight": T.Q5_0}, seed=3)
+    fused, apart = load(str(p)), load(str(p))
+    assert all(L.qk is not None and L.qkv is None for L in fused.backend.layers)
+    for L in apart.backend.layers:
+        L.qk = None
+
+    def run(m):
+        cache = m.make_cache(64)
+        return [m.backend.forward(IDS[:7], cache, logits="all"),
+                m.backend.forward(IDS[7:11], cache, logits="all", one_by_one=True),
+                m.backend.forward(IDS[11:12], cache)]
+    for a, b in zip(run(fused), run(apart)):
+        assert np.array_equal(a, b)
 
 
 @pytest.mark.parametrize("flash", [False, True])

@@ -32,8 +32,10 @@ class Layer:
     post_ffn_norm: Any = None
     theta_scale: np.float32 = np.float32(1)   # ggml's powf(base, -2/n_dims), per layer
     window: int = 0
-    # numba only: wq, wk, wv (gate, up) as one matrix where they share a repacked type
+    # numba only: wq, wk, wv (gate, up) as one matrix where they share a repacked type, or
+    # wq and wk where only they do
     qkv: Any = None
+    qk: Any = None
     gate_up: Any = None
 
 

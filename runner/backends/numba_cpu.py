@@ -201,7 +201,9 @@ class NumbaCPU:
         self.layers = graph.build_layers(f, cfg, lin, vec)
         for i, L in enumerate(self.layers):
             p = f"blk.{i}."
-            L.qkv = fused(_qkv(i), [p + f"attn_{x}.bias" for x in "qkv"] if cfg.qkv_bias else [])
+            biases = [p + f"attn_{x}.bias" for x in "qkv"] if cfg.qkv_bias else []
+            L.qkv = fused(_qkv(i), biases)
+            L.qk = None if L.qkv else fused(_qkv(i)[:2], biases[:2])
             L.gate_up = fused(_gate_up(i), [])
         t = f.tensors["token_embd.weight"]      # rows are looked up: the file's layout (a plain
         # view of the map: a memmap's indexing runs numpy's Python subclass hooks, 2% of a 0.5b step)
@@ -308,11 +310,16 @@ class NumbaCPU:
         return out
 
     def qkv(self, st: _State, L: Layer, h: np.ndarray):
+        nq, nk = self.q.shape[1], self.k.shape[1]
         if st.n == 1 and L.qkv is not None:     # decode: q, k and v are the fused output's parts
             qkv = self.qkv_buf[:1]              # (one row: each part a contiguous view, no copies)
             L.qkv(h, qkv, batch=False)
-            nq, nk = self.q.shape[1], self.k.shape[1]
             return qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
+        if st.n == 1 and L.qk is not None:     # (h quantized in each call: the calls' bound
+            qk, v = self.qkv_buf[:1, :nq + nk], self.v[:1]      # path is cheaper than sharing it)
+            L.qk(h, qk, batch=False)
+            L.wv(h, v, batch=False)
+            return qk[:, :nq], qk[:, nq:], v
         q, k, v = self.q[:st.n], self.k[:st.n], self.v[:st.n]
         for a, e, bt, *_ in st.segs:
             self._qkv(L, h[a:e], q[a:e], k[a:e], v[a:e], bt)
@@ -400,6 +407,12 @@ class NumbaCPU:
             qkv = self.qkv_buf[:len(h)]      # one kernel call for the three
             L.qkv(h, qkv, batch=batch)
             q[:], k[:], v[:] = qkv[:, :q.shape[1]], qkv[:, q.shape[1]:-v.shape[1]], qkv[:, -v.shape[1]:]
+        elif L.qk is not None and len(h) <= SMALL_BATCH:
+            nq = q.shape[1]     # [q | k] per row, in a contiguous part of the fused buffer
+            qk = self.qkv_buf.reshape(-1)[:len(h) * (nq + k.shape[1])].reshape(len(h), -1)
+            L.qk(h, qk, batch=batch)
+            q[:], k[:] = qk[:, :nq], qk[:, nq:]
+            L.wv(h, v, batch=batch)
         else:
             hr = {}     # h rounded for the weights' kernels, once per kind
             L.wq(h, q, hr, batch)
