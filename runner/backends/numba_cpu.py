@@ -203,7 +203,7 @@ class NumbaCPU:
             p = f"blk.{i}."
             biases = [p + f"attn_{x}.bias" for x in "qkv"] if cfg.qkv_bias else []
             L.qkv = fused(_qkv(i), biases)
-            L.qk = None if L.qkv else fused(_qkv(i)[:2], biases[:2])
+            L.qk = fused(_qkv(i)[:2], biases[:2]) if L.qkv is None else None
             L.gate_up = fused(_gate_up(i), [])
         t = f.tensors["token_embd.weight"]      # rows are looked up: the file's layout (a plain
         # view of the map: a memmap's indexing runs numpy's Python subclass hooks, 2% of a 0.5b step)
@@ -315,9 +315,9 @@ class NumbaCPU:
             qkv = self.qkv_buf[:1]              # (one row: each part a contiguous view, no copies)
             L.qkv(h, qkv, batch=False)
             return qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
-        if st.n == 1 and L.qk is not None:     # (h quantized in each call: the calls' bound
-            qk, v = self.qkv_buf[:1, :nq + nk], self.v[:1]      # path is cheaper than sharing it)
-            L.qk(h, qk, batch=False)
+        if st.n == 1 and L.qk is not None:     # q and k the same way, v apart; each call
+            qk, v = self.qkv_buf[:1, :nq + nk], self.v[:1]      # quantizes h (its bound path is
+            L.qk(h, qk, batch=False)                            # cheaper than sharing it)
             L.wv(h, v, batch=False)
             return qk[:, :nq], qk[:, nq:], v
         q, k, v = self.q[:st.n], self.k[:st.n], self.v[:st.n]
