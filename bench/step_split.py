@@ -120,7 +120,8 @@ def matrices(m, tokens: int) -> None:
     import quant
     be, seq = m.backend, []
     for L in be.layers:
-        parts = [("qkv", L.qkv)] if L.qkv is not None else [("wq", L.wq), ("wk", L.wk), ("wv", L.wv)]
+        parts = ([("qkv", L.qkv)] if L.qkv is not None else [("qk", L.qk), ("wv", L.wv)] if L.qk is not None
+                 else [("wq", L.wq), ("wk", L.wk), ("wv", L.wv)])
         parts += [("wo", L.wo)] + ([("gate_up", L.gate_up)] if L.gate_up is not None else [("gate", L.gate), ("up", L.up)])
         seq += parts + [("down", L.down)]
     seq.append(("output", be.output))
