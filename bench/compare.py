@@ -36,6 +36,16 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ)          # before anything of ours sets OpenMP defaults
 
 
+def bench_code() -> str:
+    """cli.BENCH_CODE, read from cli.py's source: importing cli would set numbat's OpenMP wait
+    defaults (runner/env.py) in llama.cpp's worker too (as it did until session 41)."""
+    import ast
+    for node in ast.parse((ROOT / "cli.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "BENCH_CODE" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise SystemExit("cli.py has no BENCH_CODE")
+
+
 def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed: int,
            draft: str | None = None, draft_max: int = 3, code_files=()) -> dict:
     """Runs in the child: warm up, then reps of pp and tg (and with a draft, greedy decoding
@@ -47,10 +57,10 @@ def worker(engine: str, path: str, threads: int, p: int, n: int, reps: int, seed
 
     import numpy as np
     if draft:
-        from cli import BENCH_CODE
-        prompts = {"code": BENCH_CODE, **{f"code {Path(c).name.removeprefix('code_').split('.')[0]}": Path(c).read_text()
+        prompts = {"code": bench_code(), **{f"code {Path(c).name.removeprefix('code_').split('.')[0]}": Path(c).read_text()
                                           for c in code_files}}
     if engine == "llama.cpp":
+        assert "runner.env" not in sys.modules, "llama.cpp's libgomp would take numbat's OpenMP defaults"
         import llama_cpp
         llm = llama_cpp.Llama(model_path=path, n_ctx=max(p, 512) + n + 8, n_batch=512, n_ubatch=512,
                               n_threads=threads, n_threads_batch=threads, verbose=False)
