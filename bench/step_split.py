@@ -1,6 +1,6 @@
 """A decode step taken apart without cProfile's per-call cost (bench/decode_profile.py's):
 
-    python bench/step_split.py [MODEL] [-n 64] [--tokens T] [--calls | --python]
+    python bench/step_split.py [MODEL] [-n 64] [--tokens T] [--calls | --python | --ab [-r 120]]
 
 1. Ops: n greedy decode steps (--tokens T > 1: speculative checks of T tokens) with each
    backend op (graph.run's) timed, and within it the compiled kernels it calls (the packed
@@ -19,6 +19,11 @@
    tokens) with every compiled call a no-op, against the real step measured just before: what the interpreter costs with hot
    caches. Inside a real step the same Python runs 2-4x slower (the weights streaming
    through the caches between its lines), so read it as a floor.
+5. Compiled layers (--ab [-r R], instead of 1 and 2): decode steps with the numba backend's
+   compiled layers (NumbaCPU._decode, what a one-token forward runs) against graph.run's
+   ops one by one, in one process, alternating every 8 steps for R rounds: the medians and
+   the paired ratio (compiled / ops). Sections 1, 3 and 4 take the ops one by one (the
+   compiled layers call the kernels where these timers do not see them).
 """
 from __future__ import annotations
 
@@ -96,6 +101,7 @@ def ops(m, n: int, tokens: int = 1) -> None:
             return r
         return g
 
+    be.compiled_step = False
     cache, sampler, logits = _decoding(m, 512)
     _wrap_kernels(K, lambda f, name: timed(f))
     P._run = timed(P._run)
@@ -162,6 +168,7 @@ def calls(m, n: int, tokens: int = 1) -> None:
             return r
         return g
 
+    be.compiled_step = False
     cache, sampler, logits = _decoding(m, 4096)
     _wrap_kernels(K, timed)
     for name in ("_run", "_quantize_0", "_quantize_k"):
@@ -189,6 +196,7 @@ def python_alone(m, n: int, tokens: int = 1) -> None:
     from quant import packed as P
     from runner.backends import kernels as K
     be = m.backend
+    be.compiled_step = False
     cache = be.make_cache(4096)
     be.forward(m.tokenizer.encode("def quicksort(xs):"), cache)
 
@@ -216,6 +224,31 @@ def python_alone(m, n: int, tokens: int = 1) -> None:
           f"(best of 5 runs of {n} steps)")
 
 
+def compiled_ab(m, rounds: int) -> None:
+    from runner.sampler import Sampler, SamplerConfig
+    be = m.backend
+    assert be._decode_layers(), "this model's layers do not take the compiled decode"
+    cache, sampler = be.make_cache(2048), Sampler(SamplerConfig(temp=0))
+    prompt = m.tokenizer.encode("def quicksort(xs):")
+    logits = be.forward(prompt, cache)[-1]
+    res = {False: [], True: []}
+    for r in range(rounds):
+        for k in ((False, True) if r % 2 else (True, False)):
+            be.compiled_step = k
+            logits = be.forward([sampler.next(logits)], cache)[-1]      # the switch's first step untimed
+            t0 = time.perf_counter()
+            for _ in range(8):
+                logits = be.forward([sampler.next(logits)], cache)[-1]
+            res[k].append((time.perf_counter() - t0) / 8)
+        if cache.n_past > 1900:
+            cache.reset()
+            logits = be.forward(prompt, cache)[-1]
+    ops_, comp = res[False], res[True]
+    ratios = [c / o for o, c in zip(ops_, comp)]
+    print(f"decode step: ops {statistics.median(ops_) * 1e3:.2f} ms, compiled layers {statistics.median(comp) * 1e3:.2f} ms; "
+          f"paired ratio {statistics.median(ratios):.3f}, compiled shorter in {sum(x < 1 for x in ratios)} of {rounds}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default="qwen2.5-coder:0.5b")
@@ -223,10 +256,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--calls", action="store_true", help="every compiled call timed (3. above)")
     ap.add_argument("--python", action="store_true", help="the Python alone (4. above)")
+    ap.add_argument("--ab", action="store_true", help="compiled layers against the ops (5. above)")
+    ap.add_argument("-r", type=int, default=120, help="--ab's rounds")
     ap.add_argument("--draft", action="store_true", help="loaded as a speculative draft (its wider matrices as Q4_0)")
     a = ap.parse_args()
     from runner.model import load
     m = load(a.model, draft=a.draft)
+    if a.ab:
+        return compiled_ab(m, a.r)
     if a.python or a.calls:
         return python_alone(m, a.n, a.tokens) if a.python else calls(m, a.n, a.tokens)
     matrices(m, a.tokens)

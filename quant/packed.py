@@ -935,6 +935,37 @@ def matmul_rows(p: Packed, X: np.ndarray, Y: np.ndarray, batch: bool = True, rou
     Y[:] = Yp[:n]
 
 
+# placeholders for the buffers one quantizer kind does not use (decode_args: one type for all)
+_NONE_F, _NONE_I, _NONE_I2 = np.zeros(1, np.float32), np.zeros(1, np.int32), np.zeros((1, 1), np.int32)
+
+
+def decode_args(p: Packed, fn: int | None = None) -> tuple:
+    """p's one-token product (decode's steps) as decode_matvec takes it: the quantizer's kind and
+    buffers, then the group kernel's address, p's groups and the quantized views. Every kind
+    gives a tuple of the same numba type, so a compiled caller (runner.backends.numba_cpu's
+    decode layer) is compiled once for all. fn: the kernel's address (0 to run no group:
+    p.data then has none)."""
+    quantize, args, (xq, xd, isum, nb) = _buffers(p, 1)
+    fn = _kernel(p.kind).address if fn is None else fn
+    if quantize is _quantize_k:
+        q4, m, xq_, xd_, bs16, bs32, sums = args
+        return (True, q4, m, xq_, xd_, _NONE_F, _NONE_I, bs16, bs32, sums, 0, fn, p.data, nb, xq, xd, isum)
+    m, xq_, xd_, xs, s32, sums, off = args
+    return (False, False, m, xq_, xd_, xs, s32, _NONE_I2, _NONE_I2, sums, off, fn, p.data, nb, xq, xd, isum)
+
+
+@njit(cache=True)
+def decode_matvec(X, Y, M, nth):
+    """Y (1, rows) = X (1, cols) W^T with a decode_args tuple M: matmul_rows's bound path for one
+    token (batch=False), as one compiled call."""
+    k, q4, m, xq_, xd_, xs, s32, bs16, bs32, sums, off, fn, data, nb, xq, xd, isum = M
+    if k:
+        _quantize_k(X, q4, m, xq_, xd_, bs16, bs32, sums)
+    else:
+        _quantize_0(X, m, xq_, xd_, xs, s32, sums, off)
+    _run(fn, nth, data, nb, xq, xd, isum, Y, 0)
+
+
 def _ypad(p: Packed, m: int) -> np.ndarray:
     """m rows of output for p's padded tokens (the buffer grows to the largest m, once)."""
     Yp = _ybuf.get(p.rows)

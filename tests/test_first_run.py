@@ -19,7 +19,8 @@ from runner.backends import kernels as K
 from runner.backends import numba_cpu
 
 AHEAD = [quant.packed._run, quant.packed._quantize_0, quant.packed._quantize_k, K.rms_norm, K.silu_mul,
-         K.silu_mul_halves, K._gelu_mul, K.rope_store, K.flash_attention(64, False), K.flash_attention(64, True), K._fa_run, K.attention, K.flash_attention_q, K.store_kv, K.fwht]
+         K.silu_mul_halves, K._gelu_mul, K.rope_store, K.flash_attention(64, False), K.flash_attention(64, True), K._fa_run, K.attention, K.flash_attention_q, K.store_kv, K.fwht,
+         numba_cpu._layer_in, numba_cpu._layer_out]
 
 
 EMBED = {T.Q8_0: quant.legacy._dq_q8_0, T.Q4_K: quant.kquants.dequant_rows_q4_K, T.Q6_K: quant.kquants.dequant_rows_q6_K}
@@ -75,16 +76,23 @@ def test_ahead_of_time_signatures_are_the_forwards(tmp_path, arch, weights, flas
         assert quant.packed.KINDS[weights] in ahead["group kernels"], "no matmul kernel compiled for the model's kind"
         assert ahead[quant.packed._run], "the parallel loop over groups was not compiled"
     cache = be.make_cache(128)
+    be.compiled_step = False                 # as FirstRun.warm leaves the first run's process
     be.forward(np.arange(1, 9), cache)       # a batch
     be.forward([9], cache)                   # decode
     new = grown(ahead, signatures())
     assert not new, f"the forward compiled signatures the first run did not: {new}"
-    # what the helper compiles after its share: the path of batches of 64 tokens and more
+    # what the helper compiles after its share: the path of batches of 64 tokens and more,
+    # and the compiled decode layer the next processes run
     numba_cpu.compile_attention(flash, types, 64, ns=(64,))
+    numba_cpu.compile_step()
     ahead = signatures()
+    assert ahead[numba_cpu._layer_in] and ahead[numba_cpu._layer_out]
     be.forward(np.arange(10, 80), cache)
+    be.compiled_step = True
+    assert be._decode_layers() == quant.packed.enabled()
+    be.forward([80], cache)
     new = grown(ahead, signatures())
-    assert not new, f"a long batch compiled signatures the helper did not: {new}"
+    assert not new, f"a long batch or the compiled decode compiled signatures the helper did not: {new}"
 
 
 def test_helper_process_runs_from_any_directory(tmp_path):

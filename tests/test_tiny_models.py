@@ -114,3 +114,28 @@ def test_fixture_logits_are_informative(fixtures):
             if k not in ("ids", "kwargs"):
                 assert v.std(axis=1).min() > 0.5, (key, k)
                 assert len(set(v.argmax(1).tolist())) > len(v) // 2, (key, k)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("split_v", [False, True])
+def test_compiled_decode_layers_are_the_ops_bit_for_bit(tmp_path, fixtures, arch, split_v):
+    """A one-token forward runs each layer as two compiled calls around the attention op
+    (NumbaCPU._decode): the bits of graph.run's ops, on every architecture, with Q/K/V as
+    one matrix and with V apart from [q | k] (as the real files' layers of two types)."""
+    m = build(tmp_path, fixtures[arch, True], "Q8_0", True)
+    be = m.backend
+    if split_v:
+        nq, nk = be.q.shape[1], be.k.shape[1]
+        for L in be.layers:
+            L.qkv, L.qk = None, L.qkv.first(nq + nk)
+    assert be._decode_layers(), "the tiny model's layers do not take the compiled decode"
+    caches = {k: be.make_cache(64) for k in (False, True)}
+    for t in fixtures[arch, True]["ids"].tolist():
+        out = {}
+        for k, cache in caches.items():
+            be.compiled_step = k
+            hidden = be.forward([t], cache, logits="hidden").copy()     # a draft's head reads these
+            cache.rollback(1)
+            out[k] = be.forward([t], cache).copy(), hidden
+        for a, b in zip(out[False], out[True]):
+            assert np.array_equal(a, b)

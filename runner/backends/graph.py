@@ -1,7 +1,9 @@
 """The forward graph, written once for every architecture (llama, qwen2, qwen3, gemma3) and
 every backend: the config's flags pick the steps, the backend's ops compute them (numba
 kernels over buffers it owns, or mx arrays). Which kernel runs for which type and batch
-size is the ops' business, never the graph's."""
+size is the ops' business, never the graph's. The numba backend runs a one-token forward's
+layers as two compiled calls around the attention op (NumbaCPU._decode: these steps, the
+same kernels in the same order; tests/test_tiny_models.py holds the two to the bit)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

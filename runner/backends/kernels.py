@@ -132,14 +132,14 @@ def rms_norm(x, w, eps, out):
     e = np.float32(eps)
     if x.shape[0] <= 16:    # decode, checks, head norms: a parallel region cost 3 us against
         for i in range(x.shape[0]):     # one row's 1.4 (15 against 5 for a check's four rows
-            _rms_row(x[i], w, e, out[i])    # inside a forward, the other thread asleep)
+            rms_row(x[i], w, e, out[i])    # inside a forward, the other thread asleep)
         return
     for i in prange(x.shape[0]):
-        _rms_row(x[i], w, e, out[i])
+        rms_row(x[i], w, e, out[i])
 
 
 @njit(inline="always")
-def _rms_row(x, w, e, out):
+def rms_row(x, w, e, out):
     s = 0.0
     for j in range(x.shape[0]):
         s += np.float64(x[j] * x[j])
@@ -372,7 +372,7 @@ def attention(q, qpos, qseq, qbatch, k, v, kpos, tables, seq_slots, window, scal
 
 
 @njit(inline="always")
-def _silu_mul_row(g, u, out):
+def silu_mul_row(g, u, out):
     for j in range(g.shape[0]):
         out[j] = g[j] / (f32(1) + expf(-g[j])) * u[j]     # ggml_v_silu
 
@@ -380,7 +380,7 @@ def _silu_mul_row(g, u, out):
 @njit(parallel=PRANGE, cache=True)
 def silu_mul(gate, up, out):
     for i in prange(gate.shape[0]):
-        _silu_mul_row(gate[i], up[i], out[i])
+        silu_mul_row(gate[i], up[i], out[i])
 
 
 @njit(parallel=PRANGE, cache=True)
@@ -389,7 +389,7 @@ def silu_mul_halves(gu, out):
     contiguous array, so the loop vectorizes (column views would not)."""
     n = out.shape[1]
     for i in prange(gu.shape[0]):
-        _silu_mul_row(gu[i, :n], gu[i, n:], out[i])
+        silu_mul_row(gu[i, :n], gu[i, n:], out[i])
 
 
 @njit(cache=True)
@@ -422,10 +422,15 @@ def gelu_tanh_mul(gate, up, out):
 def _gelu_mul(gate, up, out, table):
     # one pass (the numpy form's six passes and temporaries took 20 us for a 2048-wide row)
     for i in range(gate.shape[0]):
-        for j in range(gate.shape[1]):
-            x = gate[i, j]
-            v = f32(0) if x <= f32(-10) else x if x >= f32(10) else table[f2h(x)]
-            out[i, j] = v * up[i, j]
+        gelu_mul_row(gate[i], up[i], out[i], table)
+
+
+@njit(inline="always")
+def gelu_mul_row(g, u, out, table):
+    for j in range(g.shape[0]):
+        x = g[j]
+        v = f32(0) if x <= f32(-10) else x if x >= f32(10) else table[f2h(x)]
+        out[j] = v * u[j]
 
 
 _T64, _T128, _T256 = (scores16(d, 1) for d in (64, 128, 256))
