@@ -715,7 +715,8 @@ def helper() -> None:
     print("ready", flush=True)
     if flash and types == ("f16", "f16"):       # the other attention kernels serve every batch size
         compile_attention(flash, types, need["head_dim"], ns=(64,))
-    compile_step()
+    if need["kinds"]:       # no repacked matrices: decode takes the ops, never the compiled layers
+        compile_step()
     write_bytecode()
 
 
