@@ -63,3 +63,19 @@ def test_gelu_mul_is_the_f16_table_lookup():
     nan = np.isnan(want)
     assert np.array_equal(nan, np.isnan(got))
     assert np.array_equal(want[~nan].view(np.uint32), got[~nan].view(np.uint32))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("n", [1, 7, 4864, 8961])
+def test_silu_of_one_row_split_across_threads_is_the_serial_one(threads, n):
+    """Decode's SiLU (one row of a fused [gate | up] output) goes in column ranges, one a
+    thread: to the bit the serial silu_mul of the halves, whatever the thread count (ranges
+    of 0 values included), and each value written once."""
+    from runner.backends import kernels as K
+    rng = np.random.default_rng(n)
+    gu = (rng.standard_normal((1, 2 * n)) * 6).astype(np.float32)
+    want = np.empty((1, n), np.float32)
+    K.silu_mul(gu[:, :n].copy(), gu[:, n:].copy(), want)
+    got = np.full((1, n), np.nan, np.float32)
+    K.silu_mul_halves(gu, got, threads)
+    assert np.array_equal(want.view(np.uint32), got.view(np.uint32))

@@ -144,7 +144,7 @@ def _layer_out(a, x, h, o, gu, u, Mo, post_attn, ffn_norm, Mgu, Md, post_ffn, ep
     if flags & GELU:
         K.gelu_mul_row(gu[0, :n], gu[0, n:], u[0], table)
     else:
-        K.silu_mul_row(gu[0, :n], gu[0, n:], u[0])
+        K.silu_mul_halves(gu, u, nth)
     packed.decode_matvec(u, o, Md, nth)
     if flags & POST_FFN:
         K.rms_row(o[0], post_ffn, e, o[0])
@@ -538,7 +538,7 @@ class NumbaCPU:
             if gelu:
                 K.gelu_tanh_mul(gu[:, :g.shape[1]], gu[:, g.shape[1]:], u)
             else:
-                K.silu_mul_halves(gu, u)
+                K.silu_mul_halves(gu, u, quant.threads())
             L.down(u, o, batch=batch)
         else:
             hr = {}
@@ -646,7 +646,7 @@ def jobs(flash: bool, cache_types: tuple[str, str], head_dim: int, embd_type: in
                                                         np.zeros((1, q.block_size), np.float32))))
     out.append(("norm", lambda: K.rms_norm(z, z[0], 1e-6, z)))
     if silu:
-        out += [("silu", lambda: K.silu_mul(z, z, z)), ("silu-halves", lambda: K.silu_mul_halves(z, z[:, :8]))]
+        out += [("silu", lambda: K.silu_mul(z, z, z)), ("silu-halves", lambda: K.silu_mul_halves(z, z[:, :8], 1))]
     else:       # GELU: its table, then the kernel on whole arrays and on a fused row's halves
         out += [("gelu", lambda: K.gelu_tanh_mul(z, z, z)),
                 ("gelu-halves", lambda: K.gelu_tanh_mul(z2[:, :8], z2[:, 8:], z2[:, :8].copy()))]
