@@ -21,14 +21,17 @@
    through the caches between its lines), so read it as a floor.
 5. Compiled layers (--ab [-r R], instead of 1 and 2): decode steps with the numba backend's
    compiled layers (NumbaCPU._decode, what a one-token forward runs) against graph.run's
-   ops one by one, in one process, alternating every 8 steps for R rounds: the medians and
-   the paired ratio (compiled / ops). Sections 1, 3 and 4 take the ops one by one (the
+   ops one by one, in one process, alternating every 8 steps for R rounds: the medians, the
+   paired ratio (compiled / ops) and how often the OpenMP worker slept a step (its voluntary
+   context switches: a parallel region after a gap longer than its spin waits for it to
+   wake, runner/env.py). Sections 1, 3 and 4 take the ops one by one (the
    compiled layers call the kernels where these timers do not see them).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import statistics
 import sys
 import time
@@ -224,6 +227,15 @@ def python_alone(m, n: int, tokens: int = 1) -> None:
           f"(best of 5 runs of {n} steps)")
 
 
+def _worker_sleeps() -> int:
+    """Voluntary context switches of this process's threads but the main one (Linux)."""
+    n = 0
+    for t in Path(f"/proc/{os.getpid()}/task").iterdir():
+        if t.name != str(os.getpid()):
+            n += int(next(l for l in (t / "status").read_text().splitlines() if l.startswith("voluntary_ctxt")).split()[1])
+    return n
+
+
 def compiled_ab(m, rounds: int) -> None:
     from runner.sampler import Sampler, SamplerConfig
     be = m.backend
@@ -231,22 +243,24 @@ def compiled_ab(m, rounds: int) -> None:
     cache, sampler = be.make_cache(2048), Sampler(SamplerConfig(temp=0))
     prompt = m.tokenizer.encode("def quicksort(xs):")
     logits = be.forward(prompt, cache)[-1]
-    res = {False: [], True: []}
+    res, sleeps = {False: [], True: []}, {False: 0, True: 0}
     for r in range(rounds):
         for k in ((False, True) if r % 2 else (True, False)):
             be.compiled_step = k
             logits = be.forward([sampler.next(logits)], cache)[-1]      # the switch's first step untimed
-            t0 = time.perf_counter()
+            s0, t0 = _worker_sleeps(), time.perf_counter()
             for _ in range(8):
                 logits = be.forward([sampler.next(logits)], cache)[-1]
             res[k].append((time.perf_counter() - t0) / 8)
+            sleeps[k] += _worker_sleeps() - s0
         if cache.n_past > 1900:
             cache.reset()
             logits = be.forward(prompt, cache)[-1]
     ops_, comp = res[False], res[True]
     ratios = [c / o for o, c in zip(ops_, comp)]
     print(f"decode step: ops {statistics.median(ops_) * 1e3:.2f} ms, compiled layers {statistics.median(comp) * 1e3:.2f} ms; "
-          f"paired ratio {statistics.median(ratios):.3f}, compiled shorter in {sum(x < 1 for x in ratios)} of {rounds}")
+          f"paired ratio {statistics.median(ratios):.3f}, compiled shorter in {sum(x < 1 for x in ratios)} of {rounds}; "
+          f"the OpenMP worker slept {sleeps[False] / rounds / 8:.1f} / {sleeps[True] / rounds / 8:.1f} times a step")
 
 
 def main() -> None:
