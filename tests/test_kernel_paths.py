@@ -70,7 +70,7 @@ def test_gelu_mul_is_the_f16_table_lookup():
 def test_silu_of_one_row_split_across_threads_is_the_serial_one(threads, n):
     """Decode's SiLU (one row of a fused [gate | up] output) goes in column ranges, one a
     thread: to the bit the serial silu_mul of the halves, whatever the thread count (ranges
-    of 0 values included), and each value written once."""
+    of 0 values included), and every value written (the output starts as NaN)."""
     from runner.backends import kernels as K
     rng = np.random.default_rng(n)
     gu = (rng.standard_normal((1, 2 * n)) * 6).astype(np.float32)
