@@ -66,16 +66,17 @@ def test_gelu_mul_is_the_f16_table_lookup():
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
-@pytest.mark.parametrize("n", [1, 7, 4864, 8961])
-def test_silu_of_one_row_split_across_threads_is_the_serial_one(threads, n):
-    """Decode's SiLU (one row of a fused [gate | up] output) goes in column ranges, one a
-    thread: to the bit the serial silu_mul of the halves, whatever the thread count (ranges
-    of 0 values included), and every value written (the output starts as NaN)."""
+@pytest.mark.parametrize("rows,n", [(1, 1), (1, 7), (1, 4864), (1, 8961), (3, 7), (5, 4864)])
+def test_silu_of_rows_split_across_threads_is_the_serial_one(threads, rows, n):
+    """SiLU of a fused [gate | up] output goes in column ranges, nth a row (decode's one row
+    across the threads): to the bit the serial silu_mul of the halves, whatever the thread and
+    row counts (ranges of 0 values included), and every value written (the output starts as
+    NaN)."""
     from runner.backends import kernels as K
-    rng = np.random.default_rng(n)
-    gu = (rng.standard_normal((1, 2 * n)) * 6).astype(np.float32)
-    want = np.empty((1, n), np.float32)
+    rng = np.random.default_rng(n + rows)
+    gu = (rng.standard_normal((rows, 2 * n)) * 6).astype(np.float32)
+    want = np.empty((rows, n), np.float32)
     K.silu_mul(gu[:, :n].copy(), gu[:, n:].copy(), want)
-    got = np.full((1, n), np.nan, np.float32)
+    got = np.full((rows, n), np.nan, np.float32)
     K.silu_mul_halves(gu, got, threads)
     assert np.array_equal(want.view(np.uint32), got.view(np.uint32))

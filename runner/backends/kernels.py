@@ -386,19 +386,17 @@ def silu_mul(gate, up, out):
 @njit(parallel=PRANGE, cache=True)
 def silu_mul_halves(gu, out, nth):
     """silu_mul of gu's row halves [gate | up] (a fused gate/up output): row slices of a
-    contiguous array, so the loop vectorizes (column views would not). One row (decode) goes
-    in nth column ranges, one a thread: on one thread the 1.5b's 8960 values took ~28 us inside a
+    contiguous array, so the loop vectorizes (column views would not). Each row goes in nth
+    column ranges: on one thread the 1.5b's 8960 values of a decode row took ~28 us inside a
     step, and the down matrix's parallel region after them found the OpenMP worker asleep
-    (past its spin, runner/env.py): 47-62 sleeps a step, 22-24 split. Each value's float
-    steps are its own, so no split changes a bit."""
+    (past its spin, runner/env.py): 47-62 sleeps a step, 21-24 split. Each value's float steps
+    are its own, so no split changes a bit. One loop for every row count: a second prange
+    loop (one row apart) took the first run's compile of this kernel from 1.0 to 1.8 s."""
     n = out.shape[1]
-    if gu.shape[0] == 1:
-        for p in prange(nth):
-            a, b = n * p // nth, n * (p + 1) // nth
-            silu_mul_row(gu[0, a:b], gu[0, n + a:n + b], out[0, a:b])
-        return
-    for i in prange(gu.shape[0]):
-        silu_mul_row(gu[i, :n], gu[i, n:], out[i])
+    for p in prange(gu.shape[0] * nth):
+        i, k = p // nth, p % nth
+        a, b = n * k // nth, n * (k + 1) // nth
+        silu_mul_row(gu[i, a:b], gu[i, n + a:n + b], out[i, a:b])
 
 
 @njit(cache=True)
